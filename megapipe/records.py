@@ -1,0 +1,274 @@
+"""Frozen domain records shared by megapipe's pure core.
+
+The Hydra config is turned into these records once (``megapipe.config.to_records``);
+everything downstream (cost, partition, schedules, simulate, plan, emit) takes and
+returns records only. Fields use Megatron's names where Megatron has one, and carry
+their unit in the name otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "Activation",
+    "AttentionBackend",
+    "Recompute",
+    "LayerKind",
+    "ModelSpec",
+    "GpuSpec",
+    "LinkSpec",
+    "NodeGroup",
+    "ClusterSpec",
+    "ParallelSpec",
+    "TrainSpec",
+    "LayerCost",
+    "StageSpec",
+]
+
+
+class Activation(str, enum.Enum):
+    gelu = "gelu"
+    swiglu = "swiglu"
+
+
+class AttentionBackend(str, enum.Enum):
+    """flash and fused keep no s x s score tensor; unfused does (Korthikanti's 5as/h term)."""
+
+    flash = "flash"
+    fused = "fused"
+    unfused = "unfused"
+
+
+class Recompute(str, enum.Enum):
+    """Megatron's recompute_granularity; ``none`` is emitted to Megatron as null."""
+
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class LayerKind(str, enum.Enum):
+    """A pipeline unit, as Megatron's layout letters name them (E, t, m, L)."""
+
+    embedding = "embedding"
+    decoder = "decoder"
+    loss = "loss"
+    mtp = "mtp"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer, in Megatron's TransformerConfig names."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value heads (GQA); equal to num_attention_heads for plain multi-head attention."""
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_length: int
+    """Default training sequence length in tokens."""
+    activation: Activation = Activation.swiglu
+    untie_embeddings_and_output_weights: bool = True
+    position_embedding_type: str = "rope"
+    """rope, learned_absolute or none; learned_absolute adds seq_length x hidden_size parameters."""
+    attention_backend: AttentionBackend = AttentionBackend.flash
+    kv_channels: int | None = None
+    """Per-head dimension; hidden_size // num_attention_heads when None."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers (layout letter m) placed before the loss."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuSpec:
+    """One accelerator's datasheet figures and the efficiency model applied to them."""
+
+    name: str
+    bf16_tflops: float
+    """Dense (no sparsity) bf16 peak, TFLOP/s."""
+    hbm_gbytes_per_s: float
+    """HBM bandwidth, GB/s (10^9 bytes)."""
+    memory_gib: float
+    usable_memory_fraction: float = 0.9
+    """Share of memory_gib left for megapipe's accounting after the CUDA context, NCCL buffers and fragmentation."""
+    matmul_efficiency: float = 0.75
+    """Achieved fraction of bf16_tflops on large GEMMs (calibrated by ``megapipe calibrate``)."""
+    matmul_half_flops: float = 2.0e9
+    """GEMM size (FLOPs) at which achieved efficiency is half of matmul_efficiency."""
+    bandwidth_efficiency: float = 0.8
+    """Achieved fraction of hbm_gbytes_per_s for memory-bound kernels."""
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_gib * 2**30 * self.usable_memory_fraction
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkSpec:
+    """One network level: NVLink, InfiniBand, RoCEv2, xGMI, Ethernet."""
+
+    kind: str
+    bandwidth_gbytes_per_s: float
+    """Per GPU, one direction, GB/s (10^9 bytes)."""
+    latency_us: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeGroup:
+    """A set of identical nodes inside a (possibly mixed) cluster."""
+
+    gpu: GpuSpec
+    num_nodes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSpec:
+    name: str
+    gpus_per_node: int
+    price_per_gpu_hour: float
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    node_groups: tuple[NodeGroup, ...]
+    """One group for a homogeneous cluster; several for a mixed one, in pipeline-placement order."""
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(g.num_nodes for g in self.node_groups)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def gpu(self) -> GpuSpec:
+        """The first group's GPU: the only one on a homogeneous cluster."""
+        return self.node_groups[0].gpu
+
+    @property
+    def is_heterogeneous(self) -> bool:
+        return len({g.gpu.name for g in self.node_groups}) > 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelSpec:
+    """Megatron's model-parallel sizes; data_parallel_size is what is left of the GPUs."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int = 1
+    """Model chunks per pipeline rank; 1 means no interleaving (Megatron's None)."""
+    context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    microbatch_group_size_per_vp_stage: int | None = None
+    """Megatron's interleaving group; pipeline_model_parallel_size when None."""
+
+    @property
+    def world_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+            * self.data_parallel_size
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSpec:
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    seq_length: int = 2048
+    recompute_granularity: Recompute = Recompute.none
+    precision: str = "bf16"
+    """bf16, fp16 or fp32 for activations and weights; master weights and Adam state are fp32."""
+
+    def num_microbatches(self, data_parallel_size: int) -> int:
+        """Megatron's count: global_batch_size / (micro_batch_size * data_parallel_size)."""
+        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerCost:
+    """Cost of one pipeline unit for one microbatch on one GPU of its stage.
+
+    ``bwd_ms`` is the whole backward; ``wgrad_ms`` is its weight-gradient part
+    (W in zero-bubble schedules), so the input-gradient part is ``bwd_ms - wgrad_ms``.
+    """
+
+    name: str
+    kind: LayerKind
+    fwd_ms: float
+    bwd_ms: float
+    wgrad_ms: float
+    static_bytes: float
+    """Weights, gradients and optimizer state held per GPU."""
+    act_bytes: float
+    """Activation bytes kept per in-flight microbatch."""
+    param_count: float = 0.0
+    """Parameters of this unit per GPU (after TP sharding), for the ``parameters`` split."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageSpec:
+    """What one pipeline rank offers: relative speed and memory cap."""
+
+    time_scale: float = 1.0
+    """Multiplier on profile times (2.0 = half as fast as the profiled GPU)."""
+    memory_bytes: float = float("inf")
+    """Bytes available for static + activation memory on this rank."""
+    gpu_name: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Partition:
+    """Which profile entries each pipeline stage holds, and what that costs.
+
+    Stages are listed in model order. With virtual stages this is Megatron's
+    vp-major order: layout stage index = vp * pipeline_model_parallel_size + pp_rank.
+    """
+
+    layers_per_stage: tuple[int, ...]
+    """Profile entries per stage (embedding and loss count as entries)."""
+    stage_kinds: tuple[tuple[LayerKind, ...], ...]
+    """The entries' kinds per stage, in order; this is what the layout string spells."""
+    stage_time_ms: tuple[float, ...]
+    """time_scale * sum(fwd_ms + bwd_ms) of each stage's entries."""
+    stage_static_bytes: tuple[float, ...]
+    stage_act_bytes: tuple[float, ...]
+    """Activation bytes per in-flight microbatch of each stage."""
+    stage_in_flight: tuple[int, ...]
+    """Peak in-flight microbatches the schedule keeps on each stage."""
+    stage_memory_bytes: tuple[float, ...]
+    """stage_static_bytes + stage_in_flight * stage_act_bytes."""
+    layout: str
+    """Megatron pipeline_model_parallel_layout string."""
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    method: str = "optimal"
+    """optimal (exact min-max), equal (Megatron's uniform split) or parameters (DeepSpeed's)."""
+
+    @property
+    def bottleneck_ms(self) -> float:
+        return max(self.stage_time_ms)
+
+    @property
+    def rank_time_ms(self) -> tuple[float, ...]:
+        """Per pipeline rank: the sum over its virtual stages."""
+        pp = self.pipeline_model_parallel_size
+        return tuple(sum(self.stage_time_ms[r::pp]) for r in range(pp))
+
+    @property
+    def rank_memory_bytes(self) -> tuple[float, ...]:
+        pp = self.pipeline_model_parallel_size
+        return tuple(sum(self.stage_memory_bytes[r::pp]) for r in range(pp))
