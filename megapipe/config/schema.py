@@ -1,0 +1,203 @@
+"""Hydra structured-config schemas, registered in ConfigStore by :func:`register_configs`.
+
+These are mutable, Hydra-owned dataclasses holding only OmegaConf types. The
+YAML files in ``hydra_conf/`` extend them through their defaults list
+(``defaults: [base_model, _self_]``), so a mistyped key is Hydra's error.
+A parallel or train field left ``None`` is searched by ``megapipe plan`` and
+takes a documented default elsewhere (``megapipe.config.build``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from megapipe.records import Activation, AttentionBackend, Recompute
+
+__all__ = [
+    "ModelConfig",
+    "GpuConfig",
+    "LinkConfig",
+    "NodeGroupConfig",
+    "ClusterConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "ScheduleConfig",
+    "SearchConfig",
+    "OutputConfig",
+    "Config",
+    "register_configs",
+]
+
+
+class Objective(str, enum.Enum):
+    throughput = "throughput"
+    cost = "cost"
+
+
+class OutputFormat(str, enum.Enum):
+    table = "table"
+    json = "json"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    num_layers: Optional[int] = None
+    """Decoder layers (Megatron num_layers)."""
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    """Key/value heads for GQA; null means num_attention_heads (plain MHA)."""
+    ffn_hidden_size: Optional[int] = None
+    vocab_size: Optional[int] = None
+    """Padded vocabulary size as Megatron builds it."""
+    seq_length: Optional[int] = None
+    """Default training sequence length, tokens."""
+    activation: Activation = Activation.swiglu
+    untie_embeddings_and_output_weights: bool = True
+    position_embedding_type: str = "rope"
+    """rope, learned_absolute or none."""
+    attention_backend: AttentionBackend = AttentionBackend.flash
+    kv_channels: Optional[int] = None
+    """Per-head dimension; null means hidden_size / num_attention_heads."""
+    mtp_num_layers: int = 0
+    config_path: Optional[str] = None
+    """A Hugging Face config.json read from disk (model=hf); its values fill the null fields."""
+
+
+@dataclass
+class GpuConfig:
+    name: str = MISSING
+    bf16_tflops: float = MISSING
+    """Dense bf16 peak, TFLOP/s (datasheet)."""
+    hbm_gbytes_per_s: float = MISSING
+    """HBM bandwidth, GB/s."""
+    memory_gib: float = MISSING
+    usable_memory_fraction: float = 0.9
+    matmul_efficiency: float = 0.75
+    matmul_half_flops: float = 2.0e9
+    bandwidth_efficiency: float = 0.8
+
+
+@dataclass
+class LinkConfig:
+    kind: str = MISSING
+    """nvlink, infiniband, roce, xgmi, ethernet, loopback."""
+    bandwidth_gbytes_per_s: float = MISSING
+    """Per GPU, one direction, GB/s."""
+    latency_us: float = MISSING
+
+
+@dataclass
+class NodeGroupConfig:
+    gpu: GpuConfig = MISSING
+    num_nodes: int = MISSING
+
+
+@dataclass
+class ClusterConfig:
+    name: str = MISSING
+    num_nodes: int = MISSING
+    gpus_per_node: int = MISSING
+    price_per_gpu_hour: float = MISSING
+    """US dollars per GPU-hour."""
+    gpu: GpuConfig = MISSING
+    intra_node: LinkConfig = MISSING
+    inter_node: LinkConfig = MISSING
+    node_groups: List[NodeGroupConfig] = field(default_factory=list)
+    """Mixed clusters: node groups in pipeline-placement order; empty for a homogeneous cluster."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank; 1 means no interleaving."""
+    context_parallel_size: Optional[int] = None
+    sequence_parallel: Optional[bool] = None
+    use_distributed_optimizer: bool = True
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: Optional[int] = None
+    global_batch_size: int = 256
+    """Sequences per optimizer step."""
+    seq_length: Optional[int] = None
+    """Tokens per sequence; null means model.seq_length."""
+    recompute_granularity: Optional[Recompute] = None
+    """none, selective or full (emitted to Megatron as null, selective, full)."""
+    precision: str = "bf16"
+    num_microbatches: Optional[int] = None
+    """Derived as global_batch_size / (micro_batch_size * data-parallel size); set it only to simulate directly."""
+    total_tokens: float = 2.0e12
+    """Tokens of the whole training run, for the cost estimate."""
+
+
+@dataclass
+class ScheduleConfig:
+    name: Optional[str] = None
+    """gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_h2, zb_v, dualpipe_v, all; null is searched."""
+
+
+@dataclass
+class SearchConfig:
+    objective: Objective = Objective.throughput
+    allow_cross_node_tp: bool = False
+    bubble_target: Optional[List[float]] = None
+    """[low, high]: pick the micro-batch size whose bubble falls in this range."""
+    bubble_warning_range: List[float] = field(default_factory=lambda: [0.12, 0.15])
+    ignore_memory_limit: bool = False
+    top_k: int = 5
+    max_pipeline_model_parallel_size: Optional[int] = None
+    drift_threshold: float = 0.1
+    """Relative difference between measured and predicted figures that triggers a warning."""
+    min_gain: float = 0.02
+    """replan refuses to suggest a change whose predicted gain is below this fraction."""
+
+
+@dataclass
+class OutputConfig:
+    format: OutputFormat = OutputFormat.table
+    dir: Optional[str] = None
+    """Where files go; null means Hydra's output directory."""
+    pictures: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    profile: Optional[str] = None
+    """A megapipe-profile/1 file used instead of the cost model."""
+    stage_times: Optional[List[List[float]]] = None
+    """Per-stage [F, B, W] in ms for `megapipe simulate`."""
+    input: Optional[str] = None
+    """The positional argument of commands that take a path (report DIR, replan RUN_DIR)."""
+    extra: Any = None
+    """Free-form settings for commands (e.g. profile iterations); not validated."""
+
+
+def register_configs() -> None:
+    """Register every schema in Hydra's ConfigStore (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    store.store(group="model", name="base_model", node=ModelConfig)
+    store.store(group="cluster", name="base_cluster", node=ClusterConfig)
+    store.store(group="parallel", name="base_parallel", node=ParallelConfig)
+    store.store(group="train", name="base_train", node=TrainConfig)
+    store.store(group="schedule", name="base_schedule", node=ScheduleConfig)
+    store.store(group="search", name="base_search", node=SearchConfig)
+    store.store(group="output", name="base_output", node=OutputConfig)
