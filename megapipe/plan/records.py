@@ -1,0 +1,229 @@
+"""Frozen records of the planner: options, one candidate, one evaluated plan, a search result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megapipe.records import ParallelSpec, TrainSpec
+
+__all__ = ["SCHEDULES", "SearchOptions", "Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v")
+"""Every schedule the planner searches, in megapipe.schedules' names."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchOptions:
+    """What to search and how to rank; built from the ``search.*`` config group."""
+
+    objective: str = "throughput"
+    """throughput (tokens/s/GPU, higher first) or cost ($ per 1M tokens, lower first)."""
+    top_k: int = 5
+    allow_cross_node_tp: bool = False
+    bubble_target: tuple[float, float] | None = None
+    """[low, high]: per layout, keep the micro-batch size whose bubble falls in this range."""
+    bubble_warning_range: tuple[float, float] = (0.12, 0.15)
+    ignore_memory_limit: bool = False
+    """Keep plans that do not fit, flagged infeasible with the GiB over."""
+    max_pipeline_model_parallel_size: int | None = None
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Micro-batch sizes tried when train.micro_batch_size is null."""
+    max_virtual_pipeline_model_parallel_size: int = 8
+    context_parallel_min_seq_length: int = 16384
+    """Context parallelism is searched only from this sequence length up (ring attention pays off)."""
+    total_tokens: float = 2.0e12
+    """Tokens of the whole training run, for the total cost."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One point of the search space."""
+
+    parallel: ParallelSpec
+    train: TrainSpec
+    schedule: str
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.train.num_microbatches(self.parallel.data_parallel_size)
+
+    @property
+    def layer_key(self) -> tuple:
+        """What per-layer costs depend on (not pp, vp, dp or the schedule)."""
+        par, train = self.parallel, self.train
+        return (
+            par.tensor_model_parallel_size,
+            par.sequence_parallel,
+            par.context_parallel_size,
+            train.micro_batch_size,
+            train.recompute_granularity,
+            train.seq_length,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageUsage:
+    """One pipeline rank (all its virtual stages): time per microbatch and peak memory."""
+
+    time_ms: float
+    """Forward + backward of one microbatch over the rank's layers."""
+    static_bytes: float
+    activation_bytes: float
+    """Peak in-flight activations."""
+    total_bytes: float
+    gpu_name: str = ""
+
+    def to_dict(self) -> dict:
+        out = {
+            "time_ms": round(self.time_ms, 6),
+            "static_bytes": float(round(self.static_bytes)),
+            "activation_bytes": float(round(self.activation_bytes)),
+            "total_bytes": float(round(self.total_bytes)),
+        }
+        if self.gpu_name:
+            out["gpu"] = self.gpu_name
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """An evaluated candidate: timing, throughput, memory, money and warnings."""
+
+    parallel: ParallelSpec
+    train: TrainSpec
+    schedule: str
+    num_microbatches: int
+    layers_per_stage: tuple[int, ...]
+    """Decoder layers per layout stage (vp-major)."""
+    layout: str
+    method: str
+    """optimal, equal or parameters: how the layers were split."""
+    pipeline_ms: float
+    """Simulated pipeline time of one step (forward + backward of all microbatches)."""
+    dp_sync_ms: float
+    """Exposed (not overlapped) data-parallel gradient/parameter communication."""
+    optimizer_ms: float
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    stages: tuple[StageUsage, ...]
+    memory_spread: float
+    """(max - min) / mean of the per-rank peak memory."""
+    memory_cv: float
+    """Coefficient of variation (population std / mean) of the per-rank peak memory."""
+    cost_per_million_tokens: float
+    total_cost: float
+    """Dollars for SearchOptions.total_tokens at the cluster's price."""
+    feasible: bool = True
+    memory_over_gib: float = 0.0
+    """How far the fullest rank exceeds its usable memory (0 when it fits)."""
+    warnings: tuple[str, ...] = ()
+    stage_gpus: tuple[str, ...] = ()
+    """GPU type per pipeline rank (mixed clusters)."""
+
+    @property
+    def key(self) -> tuple:
+        par, train = self.parallel, self.train
+        return (
+            par.tensor_model_parallel_size,
+            par.pipeline_model_parallel_size,
+            par.data_parallel_size,
+            par.context_parallel_size,
+            par.virtual_pipeline_model_parallel_size,
+            par.sequence_parallel,
+            train.micro_batch_size,
+            train.recompute_granularity.value,
+            self.schedule,
+        )
+
+    def to_dict(self) -> dict:
+        par, train = self.parallel, self.train
+        out = {
+            "parallel": {
+                "tensor_model_parallel_size": par.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
+                "virtual_pipeline_model_parallel_size": par.virtual_pipeline_model_parallel_size,
+                "context_parallel_size": par.context_parallel_size,
+                "data_parallel_size": par.data_parallel_size,
+                "sequence_parallel": par.sequence_parallel,
+                "use_distributed_optimizer": par.use_distributed_optimizer,
+            },
+            "train": {
+                "micro_batch_size": train.micro_batch_size,
+                "global_batch_size": train.global_batch_size,
+                "seq_length": train.seq_length,
+                "recompute_granularity": train.recompute_granularity.value,
+                "num_microbatches": self.num_microbatches,
+                "precision": train.precision,
+            },
+            "schedule": self.schedule,
+            "method": self.method,
+            "layers_per_stage": list(self.layers_per_stage),
+            "layout": self.layout,
+            "step_time_s": _round(self.step_time_s),
+            "pipeline_ms": _round(self.pipeline_ms),
+            "dp_sync_ms": _round(self.dp_sync_ms),
+            "optimizer_ms": _round(self.optimizer_ms),
+            "tokens_per_s": _round(self.tokens_per_s),
+            "tokens_per_s_per_gpu": _round(self.tokens_per_s_per_gpu),
+            "mfu": _round(self.mfu),
+            "bubble_fraction": _round(self.bubble_fraction),
+            "stages": [stage.to_dict() for stage in self.stages],
+            "memory_spread": _round(self.memory_spread),
+            "memory_cv": _round(self.memory_cv),
+            "cost_per_million_tokens": _round(self.cost_per_million_tokens),
+            "total_cost": _round(self.total_cost),
+            "feasible": self.feasible,
+            "memory_over_gib": _round(self.memory_over_gib),
+            "warnings": list(self.warnings),
+        }
+        if self.stage_gpus:
+            out["stage_gpus"] = list(self.stage_gpus)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchStats:
+    enumerated: int = 0
+    """Candidates generated, pruned ones included."""
+    evaluated: int = 0
+    """Candidates that reached a step-time figure (bound or exact)."""
+    simulated: int = 0
+    """Candidates partitioned and simulated exactly."""
+    pruned: tuple[tuple[str, int], ...] = ()
+    """(reason, count): divisibility, microbatches, memory, bound, ..."""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "enumerated": self.enumerated,
+            "evaluated": self.evaluated,
+            "simulated": self.simulated,
+            "pruned": dict(self.pruned),
+            "seconds": round(self.seconds, 4),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchResult:
+    plans: tuple[Plan, ...]
+    """Best first."""
+    baseline: Plan | None = None
+    """The best plan's configuration with layers split equally (Megatron's default)."""
+    reference: Plan | None = None
+    """A fixed comparison configuration (e.g. a published TP/PP/DP), when it fits the cluster."""
+    stats: SearchStats = field(default_factory=SearchStats)
+    hetero_gain: float | None = None
+    """Mixed clusters: best plan's throughput over the equal split on the same stages, minus 1."""
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[0]
+
+
+def _round(value: float) -> float:
+    """12 significant digits: stable text across platforms for byte-identical plan files."""
+    return float(f"{value:.12g}")
+

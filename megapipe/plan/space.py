@@ -1,0 +1,211 @@
+"""The search space: every TP x CP x PP x DP x VP x micro-batch x recompute x SP x schedule
+that uses all GPUs, with closed-form pruning before any layer is costed.
+
+Pruning rules, each counted under its reason:
+
+- ``divisibility``: Megatron's shape rules. TP divides num_attention_heads and
+  num_query_groups; TP divides gpus_per_node (TP all-reduces every layer, so it stays on
+  NVLink unless allowed); 2*CP divides seq_length (Megatron's load-balanced ring attention
+  splits the sequence in 2*CP chunks); the layout has at least one decoder layer per
+  virtual stage (Megatron-LM #1852: empty stages deadlock).
+- ``microbatches``: global_batch_size must be a multiple of micro_batch_size * DP; the
+  interleaved schedule needs num_microbatches to be a multiple of PP (megatron-core 0.16
+  ``forward_backward_pipelining_with_interleaving`` with the default
+  microbatch_group_size_per_vp_stage = PP); the V-shaped schedules need num_microbatches >= 2*PP
+  (ZB-V, Qi et al. 2024; DualPipe) to reach their steady state.
+
+Memory pruning needs layer costs and lives in :mod:`megapipe.plan.search`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from megapipe.errors import ConfigError
+from megapipe.plan.records import SCHEDULES, Candidate, SearchOptions
+from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
+
+__all__ = ["DIMENSIONS", "Space", "divisors", "enumerate_candidates", "schedule_virtual_sizes"]
+
+DIMENSIONS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "sequence_parallel",
+    "micro_batch_size",
+    "recompute_granularity",
+    "schedule",
+)
+"""The searched dimensions; data_parallel_size is what is left of the GPUs."""
+
+_V_SHAPED = ("zb_v", "dualpipe_v")
+_RECOMPUTE = (Recompute.none, Recompute.selective, Recompute.full)
+
+
+def divisors(number: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, number + 1) if number % d == 0)
+
+
+def schedule_virtual_sizes(schedule: str, *, pipeline_model_parallel_size: int, max_virtual: int) -> tuple[int, ...]:
+    """Model chunks per rank each schedule runs: V schedules 2, interleaved 2..max, others 1."""
+    if schedule in _V_SHAPED:
+        return (2,)
+    if schedule == "interleaved_1f1b":
+        return tuple(range(2, max_virtual + 1)) if pipeline_model_parallel_size > 1 else ()
+    return (1,)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Space:
+    """Enumerated candidates and what was pruned, by reason."""
+
+    candidates: tuple[Candidate, ...]
+    pruned: Counter
+    enumerated: int
+
+
+def _values(fixed: Mapping[str, object], name: str, default: tuple) -> tuple:
+    return (fixed[name],) if name in fixed else default
+
+
+def _check_fixed(fixed: Mapping[str, object]) -> None:
+    unknown = set(fixed) - set(DIMENSIONS) - {"data_parallel_size"}
+    if unknown:
+        raise ConfigError(f"cannot fix {sorted(unknown)}; searchable dimensions are {list(DIMENSIONS)}")
+    schedule = fixed.get("schedule")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)} or all")
+
+
+def _tp_values(model: ModelSpec, cluster: ClusterSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
+    if "tensor_model_parallel_size" in fixed:
+        return (int(fixed["tensor_model_parallel_size"]),)
+    limit = cluster.num_gpus if options.allow_cross_node_tp else cluster.gpus_per_node
+    return tuple(d for d in divisors(limit) if d <= model.num_attention_heads)
+
+
+def _tp_ok(tp: int, model: ModelSpec, cluster: ClusterSpec, options: SearchOptions) -> bool:
+    if model.num_attention_heads % tp or model.num_query_groups % tp:
+        return False
+    return options.allow_cross_node_tp or cluster.gpus_per_node % tp == 0
+
+
+def _cp_values(train_seq: int, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
+    if "context_parallel_size" in fixed:
+        return (int(fixed["context_parallel_size"]),)
+    if train_seq < options.context_parallel_min_seq_length:
+        return (1,)
+    return (1, 2, 4, 8)
+
+
+def enumerate_candidates(
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    fixed: Mapping[str, object] | None = None,
+    options: SearchOptions = SearchOptions(),
+    use_distributed_optimizer: bool = True,
+) -> Space:
+    """All candidates that pass the closed-form rules; ``fixed`` pins dimensions by name.
+
+    ``train`` supplies global_batch_size, seq_length and precision; its micro_batch_size and
+    recompute_granularity are used only when fixed.
+    """
+    fixed = dict(fixed or {})
+    _check_fixed(fixed)
+    world = cluster.num_gpus
+    pruned: Counter = Counter()
+    out: list[Candidate] = []
+    enumerated = 0
+    for tp in _tp_values(model, cluster, fixed, options):
+        for cp in _cp_values(train.seq_length, fixed, options):
+            for pp in _pp_values(world, tp * cp, model, fixed, options):
+                dp = world // (tp * cp * pp)
+                for cand in _inner(model=model, train=train, fixed=fixed, options=options, tp=tp, cp=cp, pp=pp,
+                                   dp=dp, use_distributed_optimizer=use_distributed_optimizer):
+                    enumerated += 1
+                    reason = cand if isinstance(cand, str) else _shape_reason(cand, model, cluster, options)
+                    if reason:
+                        pruned[reason] += 1
+                    else:
+                        out.append(cand)
+    if not enumerated:
+        raise ConfigError(_no_fit_message(world, fixed))
+    return Space(candidates=tuple(out), pruned=pruned, enumerated=enumerated)
+
+
+def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
+    if world % tp_cp:
+        return ()
+    rest = world // tp_cp
+    if "pipeline_model_parallel_size" in fixed:
+        pp = int(fixed["pipeline_model_parallel_size"])
+        values = (pp,) if rest % pp == 0 else ()
+    else:
+        limit = options.max_pipeline_model_parallel_size or model.num_layers
+        values = tuple(d for d in divisors(rest) if d <= min(limit, model.num_layers))
+    if "data_parallel_size" in fixed:
+        values = tuple(pp for pp in values if rest // pp == int(fixed["data_parallel_size"]))
+    return values
+
+
+def _inner(*, model, train, fixed, options, tp, cp, pp, dp, use_distributed_optimizer) -> Iterator[Candidate | str]:
+    schedules = _values(fixed, "schedule", SCHEDULES if pp > 1 else ("1f1b",))
+    mbs_values = _values(fixed, "micro_batch_size", options.micro_batch_sizes)
+    recomputes = _values(fixed, "recompute_granularity", _RECOMPUTE)
+    sps = _values(fixed, "sequence_parallel", (False, True) if tp > 1 else (False,))
+    for schedule in schedules:
+        vps = schedule_virtual_sizes(schedule, pipeline_model_parallel_size=pp,
+                                     max_virtual=options.max_virtual_pipeline_model_parallel_size)
+        if "virtual_pipeline_model_parallel_size" in fixed:
+            vp = int(fixed["virtual_pipeline_model_parallel_size"])
+            vps = (vp,) if vp in vps or "schedule" in fixed else ()
+        for vp in vps:
+            for mbs in mbs_values:
+                if train.global_batch_size % (int(mbs) * dp):
+                    yield "microbatches"
+                    continue
+                for recompute in recomputes:
+                    for sp in sps:
+                        parallel = ParallelSpec(
+                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp,
+                            data_parallel_size=dp, sequence_parallel=bool(sp),
+                            use_distributed_optimizer=use_distributed_optimizer,
+                        )
+                        spec = TrainSpec(
+                            micro_batch_size=int(mbs), global_batch_size=train.global_batch_size,
+                            seq_length=train.seq_length, recompute_granularity=Recompute(recompute),
+                            precision=train.precision,
+                        )
+                        yield Candidate(parallel=parallel, train=spec, schedule=schedule)
+
+
+def _shape_reason(cand: Candidate, model: ModelSpec, cluster: ClusterSpec, options: SearchOptions) -> str:
+    par = cand.parallel
+    tp, pp, vp, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                      par.virtual_pipeline_model_parallel_size, par.context_parallel_size)
+    if not _tp_ok(tp, model, cluster, options):
+        return "divisibility"
+    if cp > 1 and cand.train.seq_length % (2 * cp):
+        return "divisibility"
+    if pp * vp > model.num_layers:
+        return "divisibility"
+    m = cand.num_microbatches
+    if cand.schedule == "interleaved_1f1b" and (m < pp or m % pp):
+        return "microbatches"
+    if cand.schedule in _V_SHAPED and m < 2 * pp:
+        return "microbatches"
+    return ""
+
+
+def _no_fit_message(world: int, fixed: Mapping[str, object]) -> str:
+    pinned = {k: v for k, v in fixed.items() if k.endswith("_size")}
+    return (
+        f"no TP x CP x PP x DP uses all {world} GPUs with {pinned}; "
+        f"pick sizes whose product divides {world} or change cluster.num_nodes"
+    )

@@ -1,0 +1,54 @@
+"""Performance hazards reported next to a plan (warnings, not errors).
+
+- Pipelines deeper than 8 stages: p2p latency and the (p-1) fill/drain grow with p,
+  and Megatron's own recipes stay at PP <= 8 for dense models.
+- Bubble outside ``bubble_warning_range`` (default [0.12, 0.15]): a smaller bubble
+  usually means micro-batches too small for GEMM efficiency, a larger one wasted time.
+- Tensor parallelism across nodes: TP all-reduces every layer, so it needs NVLink.
+- Long context (>= 128k tokens) with a deep pipeline: each in-flight microbatch holds
+  s-proportional activations on the first stage, which context parallelism shards
+  and pipelining does not.
+"""
+
+from __future__ import annotations
+
+from megapipe.records import ClusterSpec, ParallelSpec, TrainSpec
+
+__all__ = ["MAX_PIPELINE_DEPTH", "LONG_CONTEXT", "plan_warnings"]
+
+MAX_PIPELINE_DEPTH = 8
+LONG_CONTEXT = 131072
+_DEEP_FOR_LONG_CONTEXT = 4
+
+
+def plan_warnings(
+    *,
+    parallel: ParallelSpec,
+    train: TrainSpec,
+    cluster: ClusterSpec,
+    bubble_fraction: float,
+    num_microbatches: int,
+    bubble_warning_range: tuple[float, float] = (0.12, 0.15),
+    memory_over_gib: float = 0.0,
+) -> tuple[str, ...]:
+    """One short sentence per hazard, in a fixed order."""
+    pp = parallel.pipeline_model_parallel_size
+    tp = parallel.tensor_model_parallel_size
+    low, high = bubble_warning_range
+    out: list[str] = []
+    if memory_over_gib > 0:
+        out.append(f"does not fit: the fullest rank needs {memory_over_gib:.1f} GiB more than usable memory")
+    if pp > MAX_PIPELINE_DEPTH:
+        out.append(f"pipeline_model_parallel_size={pp} > {MAX_PIPELINE_DEPTH}: deep pipeline, p2p latency dominates")
+    if not low <= bubble_fraction <= high:
+        out.append(f"bubble {bubble_fraction:.1%} outside [{low:.0%}, {high:.0%}]")
+    if tp > cluster.gpus_per_node:
+        out.append(f"tensor_model_parallel_size={tp} spans nodes ({cluster.gpus_per_node} GPUs per node)")
+    if train.seq_length >= LONG_CONTEXT and pp > _DEEP_FOR_LONG_CONTEXT:
+        out.append(
+            f"seq_length={train.seq_length} with pipeline_model_parallel_size={pp}: "
+            "prefer context_parallel_size over a deep pipeline"
+        )
+    if pp > 1 and num_microbatches < pp:
+        out.append(f"num_microbatches={num_microbatches} < pipeline_model_parallel_size={pp}: pipeline never fills")
+    return tuple(out)
