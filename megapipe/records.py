@@ -257,6 +257,8 @@ class Partition:
     schedule: str = "1f1b"
     method: str = "optimal"
     """optimal (exact min-max), equal (Megatron's uniform split) or parameters (DeepSpeed's)."""
+    fits_memory: bool = True
+    """False when a split made with check_memory=False exceeds some pipeline rank's memory_bytes."""
 
     @property
     def bottleneck_ms(self) -> float:
