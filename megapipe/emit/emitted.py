@@ -1,0 +1,123 @@
+"""One partition and its parallel/train settings, written for every Megatron front end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapipe.emit.megatron import megatron_args
+from megapipe.emit.overrides import bridge_settings, nemo1_settings, nemo2_settings, to_overrides
+from megapipe.emit.quoting import shell_join
+from megapipe.emit.stages import decoder_counts, equal_stage_kinds, is_equal_split, validate_stages
+from megapipe.errors import ConfigError
+from megapipe.layout import format_layout, parse_layout
+from megapipe.records import LayerKind, ParallelSpec, Partition, TrainSpec
+
+__all__ = ["Emitted", "emit"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Emitted:
+    """What to paste into a Megatron-LM, Megatron-Bridge, NeMo 2 or NeMo 1 launch."""
+
+    layout: str
+    """Megatron ``pipeline_model_parallel_layout``, vp-major stages."""
+    megatron_args: tuple[str, ...]
+    """argv tokens for Megatron-LM's ``pretrain_gpt.py``."""
+    bridge_overrides: tuple[str, ...]
+    nemo2_overrides: tuple[str, ...]
+    nemo1_overrides: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
+    """Settings that could not be expressed as planned (not printed here)."""
+
+    @property
+    def megatron_command(self) -> str:
+        """The Megatron-LM arguments as one shell-quoted line."""
+        return shell_join(self.megatron_args)
+
+    @property
+    def bridge_command(self) -> str:
+        return shell_join(self.bridge_overrides)
+
+    @property
+    def nemo2_command(self) -> str:
+        return shell_join(self.nemo2_overrides)
+
+    @property
+    def nemo1_command(self) -> str:
+        return shell_join(self.nemo1_overrides)
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready: lists of tokens plus the shell lines."""
+        return {
+            "layout": self.layout,
+            "megatron_args": list(self.megatron_args),
+            "megatron_command": self.megatron_command,
+            "bridge_overrides": list(self.bridge_overrides),
+            "bridge_command": self.bridge_command,
+            "nemo2_overrides": list(self.nemo2_overrides),
+            "nemo2_command": self.nemo2_command,
+            "nemo1_overrides": list(self.nemo1_overrides),
+            "nemo1_command": self.nemo1_command,
+            "warnings": list(self.warnings),
+        }
+
+
+def _check_sizes(partition: Partition, parallel: ParallelSpec) -> None:
+    planned = (partition.pipeline_model_parallel_size, partition.virtual_pipeline_model_parallel_size)
+    given = (parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size)
+    if planned != given:
+        raise ConfigError(
+            f"partition was planned for (pipeline, virtual) sizes {planned} but parallel has {given}; "
+            "re-partition with the same parallel settings"
+        )
+    if partition.layout and parse_layout(partition.layout) != tuple(tuple(k) for k in partition.stage_kinds):
+        raise ConfigError(
+            f"partition layout {partition.layout!r} disagrees with its stage_kinds "
+            f"{format_layout(partition.stage_kinds)!r}; rebuild the partition"
+        )
+
+
+def _nemo1_warnings(stage_kinds, parallel: ParallelSpec) -> list[str]:
+    sizes = {
+        "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline_model_parallel_size,
+    }
+    flat = [kind for kinds in stage_kinds for kind in kinds]
+    warnings = []
+    if LayerKind.mtp in flat:
+        warnings.append("NeMo 1 has no multi-token-prediction layers; the m entries of the layout are dropped")
+    if is_equal_split(stage_kinds, **sizes):
+        return warnings
+    num_layers = flat.count(LayerKind.decoder)
+    num_chunks = parallel.pipeline_model_parallel_size * parallel.virtual_pipeline_model_parallel_size
+    counts = "/".join(map(str, decoder_counts(stage_kinds)))
+    if equal_stage_kinds(num_layers=num_layers, **sizes) is None:
+        fallback = f"{num_layers=} does not divide over {num_chunks} model chunks, so NeMo 1 will reject it"
+    else:
+        fallback = f"Megatron will split equally, {num_layers // num_chunks} decoder layers per model chunk"
+    warnings.append(
+        f"NeMo 1 has no per-stage key: the uneven layout ({counts} decoder layers) cannot be expressed; {fallback}"
+    )
+    return warnings
+
+
+def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec) -> Emitted:
+    """Write ``partition`` for every front end; raise ConfigError if Megatron could not run it."""
+    _check_sizes(partition, parallel)
+    validate_stages(
+        partition.stage_kinds,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+    )
+    layout = format_layout(partition.stage_kinds)
+    warnings = []
+    if parallel.sequence_parallel and parallel.tensor_model_parallel_size == 1:
+        warnings.append("sequence_parallel needs tensor_model_parallel_size > 1; it is left off, as Megatron does")
+    return Emitted(
+        layout=layout,
+        megatron_args=megatron_args(layout=layout, parallel=parallel, train=train),
+        bridge_overrides=to_overrides(bridge_settings(layout=layout, parallel=parallel, train=train)),
+        nemo2_overrides=to_overrides(nemo2_settings(layout=layout, parallel=parallel, train=train)),
+        nemo1_overrides=to_overrides(nemo1_settings(parallel=parallel, train=train)),
+        warnings=tuple(warnings + _nemo1_warnings(partition.stage_kinds, parallel)),
+    )
