@@ -259,18 +259,27 @@ class Partition:
     """optimal (exact min-max), equal (Megatron's uniform split) or parameters (DeepSpeed's)."""
     fits_memory: bool = True
     """False when a split made with check_memory=False exceeds some pipeline rank's memory_bytes."""
+    stage_to_rank: tuple[int, ...] = ()
+    """Pipeline rank of each layout stage; empty means vp-major (stage % pipeline_model_parallel_size).
+    V-shaped schedules (zb_v, dualpipe_v) put stage s on rank 2P - 1 - s for s >= P."""
 
     @property
     def bottleneck_ms(self) -> float:
         return max(self.stage_time_ms)
 
+    def _rank_sums(self, values: tuple[float, ...]) -> tuple[float, ...]:
+        pp = self.pipeline_model_parallel_size
+        ranks = self.stage_to_rank or tuple(stage % pp for stage in range(len(values)))
+        sums = [0.0] * pp
+        for rank, value in zip(ranks, values):
+            sums[rank] += value
+        return tuple(sums)
+
     @property
     def rank_time_ms(self) -> tuple[float, ...]:
         """Per pipeline rank: the sum over its virtual stages."""
-        pp = self.pipeline_model_parallel_size
-        return tuple(sum(self.stage_time_ms[r::pp]) for r in range(pp))
+        return self._rank_sums(self.stage_time_ms)
 
     @property
     def rank_memory_bytes(self) -> tuple[float, ...]:
-        pp = self.pipeline_model_parallel_size
-        return tuple(sum(self.stage_memory_bytes[r::pp]) for r in range(pp))
+        return self._rank_sums(self.stage_memory_bytes)
