@@ -25,10 +25,11 @@ import datetime
 import platform
 import statistics
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megapipe.errors import ConfigError
 from megapipe.profile.format import Profile
+from megapipe.profile.timing import Unit, UnitResult, measure_unit, spread
 from megapipe.records import Activation, LayerCost, LayerKind, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
 __all__ = ["MeasureOptions", "measure_profile"]
@@ -61,28 +62,6 @@ class MeasureOptions:
             raise ConfigError(f"dtype={self.dtype!r}; use one of {', '.join(_DTYPES)}")
 
 
-@dataclass(slots=True)
-class _Unit:
-    """One pipeline unit as a closure over the built model: fresh inputs -> output to backpropagate."""
-
-    name: str
-    kind: LayerKind
-    forward: Callable[[], object]
-    modules: tuple
-    has_input_grad: bool
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class _UnitResult:
-    fwd_ms: tuple[float, ...]
-    bwd_ms: tuple[float, ...]
-    bwd_input_ms: tuple[float, ...]
-    act_bytes: float
-    param_count: float
-    cuda_peak_bytes: float | None
-
-
 def measure_profile(
     *,
     model: ModelSpec,
@@ -105,19 +84,24 @@ def measure_profile(
     dtype_name = options.dtype or train.precision
     if dtype_name not in _DTYPES:
         raise ConfigError(f"train.precision={dtype_name!r}; use one of {', '.join(_DTYPES)}")
-    if options.num_threads:
-        torch.set_num_threads(options.num_threads)
-    with _megatron_session(device=device, parallel=parallel, seed=options.seed):
-        gpt = _build_gpt(model=model, train=train, parallel=parallel, dtype_name=dtype_name, device=device)
-        units = _units(gpt, model=model, train=train, parallel=parallel, device=device)
-        results = {}
-        for unit in units:
-            if on_unit is not None:
-                on_unit(unit.name)
-            results[unit.name] = _measure_unit(unit, device=device, warmup=options.warmup, iters=options.iters)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(options.num_threads or threads)
+    try:
+        with _megatron_session(device=device, parallel=parallel, seed=options.seed):
+            gpt = _build_gpt(model=model, train=train, parallel=parallel, dtype_name=dtype_name, device=device)
+            results = {}
+            for unit in _units(gpt, model=model, train=train, parallel=parallel, device=device):
+                if on_unit is not None:
+                    on_unit(unit.name)
+                results[unit.name] = measure_unit(unit, device=device, warmup=options.warmup, iters=options.iters)
+            num_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
     layers = _layer_costs(results, model=model, parallel=parallel)
     meta = _meta(results, model=model, train=train, parallel=parallel, options=options,
                  device=device, dtype_name=dtype_name)
+    if device == "cpu":
+        meta["num_threads"] = str(num_threads)
     return Profile(layers=layers, device=device_name or _torch_device_name(device), meta=tuple(meta.items()))
 
 
@@ -267,13 +251,11 @@ def _build_gpt(*, model: ModelSpec, train: TrainSpec, parallel: ParallelSpec, dt
         position_embedding_type=model.position_embedding_type,
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
     )
-    gpt.to(device=device)
-    if device == "cpu":
-        gpt.to(dtype=dtype) if dtype_name != "fp32" else None
-    return gpt
+    # Without apex/TE the norms keep fp32 weights; cast everything so the CPU path runs in one dtype.
+    return gpt.to(device=device, dtype=dtype)
 
 
-def _units(gpt, *, model: ModelSpec, train: TrainSpec, parallel: ParallelSpec, device: str) -> list[_Unit]:
+def _units(gpt, *, model: ModelSpec, train: TrainSpec, parallel: ParallelSpec, device: str) -> list[Unit]:
     """Closures that run each unit on fresh inputs of the training shape [s, b, h]."""
     import torch
 
@@ -317,9 +299,9 @@ def _units(gpt, *, model: ModelSpec, train: TrainSpec, parallel: ParallelSpec, d
     if gpt.share_embeddings_and_output_weights:
         head_modules += (gpt.embedding.word_embeddings,)
     return [
-        _Unit("embedding", LayerKind.embedding, embedding, (gpt.embedding,), has_input_grad=False),
-        _Unit("decoder", LayerKind.decoder, decoder, (layer,), has_input_grad=True),
-        _Unit("loss", LayerKind.loss, loss, head_modules, has_input_grad=True),
+        Unit("embedding", LayerKind.embedding, embedding, (gpt.embedding,), has_input_grad=False),
+        Unit("decoder", LayerKind.decoder, decoder, (layer,), has_input_grad=True),
+        Unit("loss", LayerKind.loss, loss, head_modules, has_input_grad=True),
     ]
 
 
@@ -346,119 +328,6 @@ def _shared_output_weight(gpt):
     return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
 
 
-class _Clock:
-    """perf_counter on CPU; CUDA events (device time, no host overhead) on GPU."""
-
-    def __init__(self, device: str) -> None:
-        import torch
-
-        self._cuda = device == "cuda"
-        self._torch = torch
-
-    def time_ms(self, thunk: Callable[[], object]) -> tuple[float, object]:
-        if self._cuda:
-            start = self._torch.cuda.Event(enable_timing=True)
-            end = self._torch.cuda.Event(enable_timing=True)
-            start.record()
-            value = thunk()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end), value
-        import time
-
-        begin = time.perf_counter()
-        value = thunk()
-        return (time.perf_counter() - begin) * 1e3, value
-
-
-def _params(unit: _Unit) -> list:
-    seen, params = set(), []
-    for module in unit.modules:
-        for param in module.parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-    return params
-
-
-def _measure_unit(unit: _Unit, *, device: str, warmup: int, iters: int) -> _UnitResult:
-    import torch
-
-    clock = _Clock(device)
-    params = _params(unit)
-    fwd, bwd = _time_passes(unit, clock, params, warmup=warmup, iters=iters)
-    bwd_input: tuple[float, ...] = ()
-    if unit.has_input_grad:
-        flags = [param.requires_grad for param in params]
-        for param in params:
-            param.requires_grad_(False)
-        try:
-            _, bwd_input = _time_passes(unit, clock, params, warmup=warmup, iters=iters)
-        finally:
-            for param, flag in zip(params, flags):
-                param.requires_grad_(flag)
-    act_bytes = _saved_tensor_bytes(unit, params)
-    cuda_peak = _cuda_peak_bytes(unit, params) if device == "cuda" else None
-    param_count = float(sum(param.numel() for param in params))
-    del torch
-    return _UnitResult(fwd, bwd, bwd_input, act_bytes, param_count, cuda_peak)
-
-
-def _time_passes(unit: _Unit, clock: _Clock, params: list, *, warmup: int, iters: int):
-    import torch
-
-    fwd, bwd = [], []
-    for index in range(warmup + iters):
-        fwd_ms, output = clock.time_ms(unit.forward)
-        grad = torch.ones_like(output) if output.dim() == 0 else torch.randn_like(output)
-        bwd_ms, _ = clock.time_ms(lambda: torch.autograd.backward(output, grad))
-        for param in params:
-            param.grad = None
-        del output, grad
-        if index >= warmup:
-            fwd.append(fwd_ms)
-            bwd.append(bwd_ms)
-    return tuple(fwd), tuple(bwd)
-
-
-def _saved_tensor_bytes(unit: _Unit, params: list) -> float:
-    """Bytes of distinct storages autograd keeps for backward, parameters excluded.
-
-    A saved view keeps its whole storage alive, so storages (not views) are counted.
-    This is what one in-flight microbatch holds between its forward and backward.
-    """
-    import torch
-
-    param_storages = {param.untyped_storage().data_ptr() for param in params}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output = unit.forward()
-    del output
-    return float(sum(storages.values()))
-
-
-def _cuda_peak_bytes(unit: _Unit, params: list) -> float:
-    """Peak allocator growth over one forward + backward (torch.cuda.max_memory_allocated delta)."""
-    import torch
-
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    output = unit.forward()
-    torch.autograd.backward(output, torch.ones_like(output) if output.dim() == 0 else torch.randn_like(output))
-    torch.cuda.synchronize()
-    for param in params:
-        param.grad = None
-    return float(torch.cuda.max_memory_allocated() - before)
-
-
 def _median(values: tuple[float, ...]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
@@ -472,10 +341,10 @@ def _static_bytes_per_param(parallel: ParallelSpec) -> float:
     return 18.0
 
 
-def _layer_costs(results: dict[str, _UnitResult], *, model: ModelSpec, parallel: ParallelSpec) -> tuple:
+def _layer_costs(results: dict[str, UnitResult], *, model: ModelSpec, parallel: ParallelSpec) -> tuple:
     per_param = _static_bytes_per_param(parallel)
 
-    def cost(name: str, kind: LayerKind, result: _UnitResult) -> LayerCost:
+    def cost(name: str, kind: LayerKind, result: UnitResult) -> LayerCost:
         bwd_ms = _median(result.bwd_ms)
         if result.bwd_input_ms:
             wgrad_ms = min(max(bwd_ms - _median(result.bwd_input_ms), 0.0), bwd_ms)
@@ -500,16 +369,6 @@ def _layer_costs(results: dict[str, _UnitResult], *, model: ModelSpec, parallel:
     )
 
 
-def _spread(values: tuple[float, ...]) -> str:
-    """p10 and p90 of the timed iterations, ms."""
-    ordered = sorted(values)
-    if not ordered:
-        return ""
-    low = ordered[int(0.1 * (len(ordered) - 1))]
-    high = ordered[round(0.9 * (len(ordered) - 1))]
-    return f"{low:.4g},{high:.4g}"
-
-
 def _meta(results, *, model, train, parallel, options, device, dtype_name) -> dict[str, str]:
     import megatron.core
     import torch
@@ -529,6 +388,11 @@ def _meta(results, *, model, train, parallel, options, device, dtype_name) -> di
         "ffn_hidden_size": model.ffn_hidden_size,
         "vocab_size": model.vocab_size,
         "activation": model.activation.value,
+        "kv_channels": model.head_dim,
+        "untie_embeddings_and_output_weights": model.untie_embeddings_and_output_weights,
+        "position_embedding_type": model.position_embedding_type,
+        "attention_backend": "unfused",
+        "attention": "megatron-core local DotProductAttention (keeps the s x s scores)",
         "seq_length": train.seq_length,
         "micro_batch_size": train.micro_batch_size,
         "recompute_granularity": train.recompute_granularity.value,
@@ -541,11 +405,9 @@ def _meta(results, *, model, train, parallel, options, device, dtype_name) -> di
         "wgrad_method": "bwd(trainable weights) - bwd(frozen weights)",
         "act_bytes_method": "distinct storages saved for backward (saved_tensors_hooks), parameters excluded",
     }
-    if device == "cpu":
-        meta["num_threads"] = torch.get_num_threads()
     for name, result in results.items():
-        meta[f"{name}.fwd_ms_p10_p90"] = _spread(result.fwd_ms)
-        meta[f"{name}.bwd_ms_p10_p90"] = _spread(result.bwd_ms)
+        meta[f"{name}.fwd_ms_p10_p90"] = spread(result.fwd_ms)
+        meta[f"{name}.bwd_ms_p10_p90"] = spread(result.bwd_ms)
         if result.cuda_peak_bytes is not None:
             meta[f"{name}.cuda_peak_bytes"] = f"{result.cuda_peak_bytes:.6g}"
     return {key: str(value) for key, value in meta.items()}
