@@ -1,0 +1,70 @@
+"""Turn stage boundaries into a :class:`~megapipe.records.Partition` and explain memory misfits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from megapipe.errors import InfeasibleError
+from megapipe.layout import format_layout
+from megapipe.records import LayerCost, Partition, StageSpec
+
+__all__ = ["GIB", "build_partition", "over_memory_message"]
+
+GIB = 2**30
+MEMORY_FIX = "add pipeline stages, recompute, or a smaller micro-batch"
+
+
+def build_partition(
+    *,
+    layers: Sequence[LayerCost],
+    stages: Sequence[StageSpec],
+    bounds: Sequence[int],
+    in_flight: Sequence[int],
+    ranks: Sequence[int],
+    num_microbatches: int,
+    schedule: str,
+    method: str,
+) -> Partition:
+    """The record for layout stage c holding entries bounds[c]..bounds[c + 1] on pipeline rank ranks[c]."""
+    pp = len(stages)
+    num_chunks = len(bounds) - 1
+    assert num_chunks == len(in_flight) == len(ranks) and num_chunks % pp == 0
+    chunks = [layers[bounds[c] : bounds[c + 1]] for c in range(num_chunks)]
+    if any(not chunk for chunk in chunks):
+        raise InfeasibleError(f"layers_per_stage={[len(c) for c in chunks]} leaves a stage empty; give each >= 1 entry")
+    time_ms = tuple(
+        stages[ranks[c]].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in chunk) for c, chunk in enumerate(chunks)
+    )
+    static = tuple(math.fsum(e.static_bytes for e in chunk) for chunk in chunks)
+    act = tuple(math.fsum(e.act_bytes for e in chunk) for chunk in chunks)
+    memory = tuple(s + count * a for s, count, a in zip(static, in_flight, act))
+    kinds = tuple(tuple(e.kind for e in chunk) for chunk in chunks)
+    partition = Partition(
+        layers_per_stage=tuple(len(chunk) for chunk in chunks),
+        stage_kinds=kinds,
+        stage_time_ms=time_ms,
+        stage_static_bytes=static,
+        stage_act_bytes=act,
+        stage_in_flight=tuple(int(count) for count in in_flight),
+        stage_memory_bytes=memory,
+        layout=format_layout(kinds),
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=num_chunks // pp,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        method=method,
+        stage_to_rank=tuple(ranks),
+    )
+    rank_memory = partition.rank_memory_bytes
+    fits = all(used <= stage.memory_bytes for used, stage in zip(rank_memory, stages))
+    return dataclasses.replace(partition, fits_memory=fits)
+
+
+def over_memory_message(*, label: str, need_bytes: float, cap_bytes: float, detail: str = "") -> str:
+    """One line: what needs how much, what it has, by how much it is over, and what to change."""
+    return (
+        f"{label} needs at least {need_bytes / GIB:.1f} GiB but has {cap_bytes / GIB:.1f} GiB{detail} "
+        f"(over by {(need_bytes - cap_bytes) / GIB:.1f} GiB): {MEMORY_FIX}"
+    )

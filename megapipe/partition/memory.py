@@ -1,0 +1,116 @@
+"""Memory side of the partition: in-flight microbatches per stage, per-chunk caps, memory reach.
+
+A stage holding entries [a, b) needs ``sum(static_bytes) + in_flight * sum(act_bytes)``
+bytes (Narayanan et al. 2021, sec. 2.2: under 1F1B stage j keeps at most p - j
+microbatches' activations; GPipe keeps all m). Comparisons are made on prefix sums,
+which are exact when byte counts are integers below 2**53.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from megapipe.errors import ConfigError
+from megapipe.records import LayerCost, StageSpec
+
+__all__ = ["V_SHAPED", "in_flight_counts", "stage_ranks", "chunk_memory_caps", "memory_reach"]
+
+V_SHAPED = frozenset({"zb_v", "dualpipe_v"})
+"""Schedules whose second chunk runs back up the ranks (Qi et al. 2024, ZB-V; DeepSeek DualPipe-V)."""
+
+
+def stage_ranks(*, schedule: str, pipeline_model_parallel_size: int, num_stages: int) -> tuple[int, ...]:
+    """Pipeline rank of each layout stage: vp-major (s % P), or V-shaped (s, then 2P - 1 - s)."""
+    pp = pipeline_model_parallel_size
+    if schedule in V_SHAPED:
+        return tuple(stage if stage < pp else 2 * pp - 1 - stage for stage in range(num_stages))
+    return tuple(stage % pp for stage in range(num_stages))
+
+
+def in_flight_counts(
+    *,
+    schedule: str,
+    pipeline_model_parallel_size: int,
+    num_microbatches: int,
+    virtual_pipeline_model_parallel_size: int = 1,
+    microbatch_group_size_per_vp_stage: int | None = None,
+) -> tuple[int, ...]:
+    """Peak in-flight microbatches per layout stage (P * v of them, in layout order).
+
+    1F1B without interleaving keeps min(P - j, m) on stage j and GPipe keeps m
+    (closed forms); every other schedule asks ``megapipe.schedules.peak_in_flight``.
+    """
+    pp, vp, m = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size, num_microbatches
+    if vp == 1 and schedule == "1f1b":
+        return tuple(min(pp - stage, m) for stage in range(pp))
+    if vp == 1 and schedule == "gpipe":
+        return (m,) * pp
+    try:
+        from megapipe.schedules import peak_in_flight
+    except ImportError:
+        raise ConfigError(
+            f"schedule={schedule!r} with virtual_pipeline_model_parallel_size={vp} needs megapipe.schedules; "
+            "use schedule=1f1b or gpipe with virtual_pipeline_model_parallel_size=1"
+        ) from None
+    counts = tuple(
+        int(count)
+        for count in peak_in_flight(
+            schedule, pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=vp,
+            microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        )
+    )
+    if len(counts) != pp * vp:
+        raise ConfigError(f"schedule={schedule!r} gave {len(counts)} in-flight counts for {pp * vp} layout stages")
+    return counts
+
+
+def chunk_memory_caps(
+    *, layers: Sequence[LayerCost], stages: Sequence[StageSpec], in_flight: Sequence[int], ranks: Sequence[int]
+) -> tuple[float, ...]:
+    """Each layout stage's share of its pipeline rank's memory_bytes.
+
+    With v == 1 a stage gets its rank's whole cap. With v > 1 a rank's memory is the
+    sum over its v chunks, which couples non-contiguous chunks; megapipe splits the
+    cap in proportion to ``w_c = mean(static_bytes) + in_flight_c * mean(act_bytes)``,
+    i.e. to what a chunk of average entries needs, so a split with the same number
+    of average entries per chunk fits its shares exactly when it fits the rank cap.
+    The solver is exact under this rule: no partition with every chunk within its
+    share has a smaller bottleneck. Chunks' real sums never exceed the rank cap.
+    """
+    if len(ranks) == len(stages):
+        return tuple(float(stages[rank].memory_bytes) for rank in ranks)
+    mean_static = float(np.mean([layer.static_bytes for layer in layers]))
+    mean_act = float(np.mean([layer.act_bytes for layer in layers]))
+    weights = [mean_static + count * mean_act for count in in_flight]
+    caps = []
+    for weight, rank in zip(weights, ranks):
+        mates = [w for w, other in zip(weights, ranks) if other == rank]
+        share = weight / sum(mates) if sum(mates) > 0 else 1.0 / len(mates)
+        caps.append(float(stages[rank].memory_bytes) * share)
+    return tuple(caps)
+
+
+def memory_reach(*, static_prefix: np.ndarray, act_prefix: np.ndarray, in_flight: int, cap: float) -> np.ndarray:
+    """reach[a] = the largest b >= a with static(a, b) + in_flight * act(a, b) <= cap."""
+    num_entries = len(static_prefix) - 1
+    starts = np.arange(num_entries + 1)
+    if cap == float("inf"):
+        return np.full(num_entries + 1, num_entries)
+    combined = static_prefix + in_flight * act_prefix
+    reach = np.maximum(np.searchsorted(combined, combined + cap, side="right") - 1, starts)
+
+    def fits(stops: np.ndarray) -> np.ndarray:
+        return (static_prefix[stops] - static_prefix[starts]) + in_flight * (
+            act_prefix[stops] - act_prefix[starts]
+        ) <= cap
+
+    # searchsorted compared combined prefixes; settle each boundary on the canonical sum.
+    for _ in range(num_entries + 1):
+        grow = (reach < num_entries) & fits(np.minimum(reach + 1, num_entries))
+        shrink = (reach > starts) & ~fits(reach)
+        if not grow.any() and not shrink.any():
+            break
+        reach = reach + grow - shrink
+    return reach

@@ -1,0 +1,200 @@
+"""``solve``: split a profile's entries into pipeline stages.
+
+``method="optimal"`` minimises the bottleneck ``max_j time_scale_j * sum(fwd_ms + bwd_ms)``
+exactly, subject to every stage fitting its memory (see :mod:`megapipe.partition.minmax`);
+``equal`` and ``parameters`` are Megatron's and DeepSpeed's splits
+(:mod:`megapipe.partition.baselines`). With virtual stages (v > 1) the solver splits the
+entries into P * v layout stages; layout stage c runs on rank c % P with that rank's
+time_scale and a share of its memory (:func:`~megapipe.partition.memory.chunk_memory_caps`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from megapipe.errors import ConfigError, InfeasibleError
+from megapipe.partition.baselines import equal_bounds, parameters_bounds
+from megapipe.partition.evaluate import build_partition, over_memory_message
+from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memory_reach, stage_ranks
+from megapipe.partition.minmax import SegmentCost, min_max_split, segment_cost
+from megapipe.records import LayerCost, Partition, StageSpec
+
+__all__ = ["METHODS", "solve", "evaluate"]
+
+METHODS = ("optimal", "equal", "parameters")
+_HUGE = 1e300
+
+
+def solve(
+    profile,
+    stages: Sequence[StageSpec],
+    *,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    virtual_pipeline_model_parallel_size: int = 1,
+    method: str = "optimal",
+    check_memory: bool = True,
+    microbatch_group_size_per_vp_stage: int | None = None,
+) -> Partition:
+    """Partition ``profile.layers`` over ``stages`` (one StageSpec per pipeline rank).
+
+    With ``check_memory=False`` memory caps are ignored (optimal: pure time min-max;
+    baselines: returned with ``fits_memory`` telling whether they fit). With
+    ``check_memory=True`` a split that cannot fit raises InfeasibleError naming the
+    tightest stage and how many GiB it is over.
+    """
+    layers, stages, vp = _validate(profile, stages, num_microbatches, virtual_pipeline_model_parallel_size, method)
+    pp = len(stages)
+    in_flight = in_flight_counts(
+        schedule=schedule,
+        pipeline_model_parallel_size=pp,
+        num_microbatches=num_microbatches,
+        virtual_pipeline_model_parallel_size=vp,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+    )
+    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+    if method == "equal":
+        bounds = equal_bounds([layer.kind for layer in layers], num_stages=pp * vp)
+    elif method == "parameters":
+        bounds = parameters_bounds([layer.param_count for layer in layers], num_stages=pp * vp)
+    else:
+        caps = chunk_memory_caps(layers=layers, stages=stages, in_flight=in_flight, ranks=ranks)
+        if not check_memory:
+            caps = (math.inf,) * len(caps)
+        bounds = _optimal_bounds(layers, stages, ranks, in_flight, caps)
+    partition = build_partition(
+        layers=layers, stages=stages, bounds=bounds, in_flight=in_flight, ranks=ranks,
+        num_microbatches=num_microbatches, schedule=schedule, method=method,
+    )  # fmt: skip
+    # The optimal split already keeps every layout stage within its share of its rank.
+    if check_memory and method != "optimal" and not partition.fits_memory:
+        _raise_rank_overflow(partition, stages)
+    return partition
+
+
+def evaluate(
+    profile,
+    stages: Sequence[StageSpec],
+    *,
+    layers_per_stage: Sequence[int],
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    method: str = "given",
+) -> Partition:
+    """The record of a given split (e.g. a user's layout); never raises on memory, see ``fits_memory``."""
+    layers = tuple(getattr(profile, "layers", profile))
+    if sum(layers_per_stage) != len(layers) or len(layers_per_stage) % len(stages):
+        raise ConfigError(
+            f"layers_per_stage={list(layers_per_stage)} must sum to the profile's {len(layers)} entries "
+            f"and have a multiple of {len(stages)} stages"
+        )
+    in_flight = in_flight_counts(
+        schedule=schedule,
+        pipeline_model_parallel_size=len(stages),
+        num_microbatches=num_microbatches,
+        virtual_pipeline_model_parallel_size=len(layers_per_stage) // len(stages),
+    )
+    bounds = (0, *itertools.accumulate(layers_per_stage))
+    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=len(stages), num_stages=len(layers_per_stage))
+    return build_partition(
+        layers=layers, stages=stages, bounds=bounds, in_flight=in_flight, ranks=ranks,
+        num_microbatches=num_microbatches, schedule=schedule, method=method,
+    )  # fmt: skip
+
+
+def _validate(profile, stages, num_microbatches, vp, method) -> tuple[tuple[LayerCost, ...], tuple[StageSpec, ...], int]:
+    layers = tuple(getattr(profile, "layers", profile))
+    stages = tuple(stages)
+    if method not in METHODS:
+        raise ConfigError(f"method={method!r} is not known; use one of {', '.join(METHODS)}")
+    if not stages:
+        raise ConfigError("stages is empty; give one StageSpec per pipeline rank")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ConfigError(f"num_microbatches={num_microbatches!r} must be an integer >= 1")
+    if not isinstance(vp, int) or vp < 1:
+        raise ConfigError(f"virtual_pipeline_model_parallel_size={vp!r} must be an integer >= 1")
+    for rank, stage in enumerate(stages):
+        if not (math.isfinite(stage.time_scale) and stage.time_scale > 0):
+            raise ConfigError(f"stages[{rank}].time_scale={stage.time_scale!r} must be finite and > 0")
+        if not stage.memory_bytes >= 0:
+            raise ConfigError(f"stages[{rank}].memory_bytes={stage.memory_bytes!r} must be >= 0")
+    if len(layers) < len(stages) * vp:
+        raise InfeasibleError(
+            f"the profile has {len(layers)} entries but {len(stages)} pipeline ranks x {vp} virtual stages "
+            f"need at least one each; use fewer stages"
+        )
+    return layers, stages, vp
+
+
+def _optimal_bounds(layers, stages, ranks, in_flight, caps) -> tuple[int, ...]:
+    num_entries = len(layers)
+    time_prefix = (0.0, *itertools.accumulate(layer.fwd_ms + layer.bwd_ms for layer in layers))
+    order = sorted(range(num_entries), key=lambda e: time_prefix[e + 1] - time_prefix[e], reverse=True)
+    static_prefix, act_prefix = _memory_prefixes(layers)
+    reach_cache: dict[tuple[int, float], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    costs = []
+    for chunk, (count, cap) in enumerate(zip(in_flight, caps)):
+        key = (count, cap)
+        if key not in reach_cache:
+            reach = memory_reach(static_prefix=static_prefix, act_prefix=act_prefix, in_flight=count, cap=cap)
+            blocked = np.flatnonzero(reach[:-1] == np.arange(num_entries))
+            reach_cache[key] = (tuple(reach.tolist()), tuple(blocked.tolist()))
+        reach, blocked = reach_cache[key]
+        costs.append(SegmentCost(
+            prefix=time_prefix, scale=stages[ranks[chunk]].time_scale, offset=0.0,
+            mem_reach=reach, mem_blocked=blocked, single_desc=order,
+        ))  # fmt: skip
+    # Every entry sits on some stage no faster than the fastest; the fluid bound spreads total time at full speed.
+    largest = min(segment_cost(cost, order[0], order[0] + 1) for cost in costs)
+    fluid = time_prefix[-1] / sum(1.0 / cost.scale for cost in costs) * (1 - 1e-9)
+    result = min_max_split(stages=costs, num_entries=num_entries, lower_bound=max(largest, fluid))
+    if result is None:
+        _raise_memory_infeasible(layers, stages, ranks, in_flight, caps)
+    return result[1]
+
+
+def _memory_prefixes(layers) -> tuple[np.ndarray, np.ndarray]:
+    static_prefix = np.zeros(len(layers) + 1)
+    act_prefix = np.zeros(len(layers) + 1)
+    static_prefix[1:] = np.cumsum([layer.static_bytes for layer in layers])
+    act_prefix[1:] = np.cumsum([layer.act_bytes for layer in layers])
+    return static_prefix, act_prefix
+
+
+def _raise_memory_infeasible(layers, stages, ranks, in_flight, caps) -> None:
+    """Find the split whose worst memory overage is smallest and name its tightest stage."""
+    num_entries = len(layers)
+    static_prefix, act_prefix = _memory_prefixes(layers)
+    everything = tuple([num_entries] * (num_entries + 1))
+    costs = []
+    for count, cap in zip(in_flight, caps):
+        prefix = tuple((static_prefix + count * act_prefix).tolist())
+        order = sorted(range(num_entries), key=lambda e: prefix[e + 1] - prefix[e], reverse=True)
+        costs.append(SegmentCost(
+            prefix=prefix, scale=1.0, offset=-min(cap, _HUGE),
+            mem_reach=everything, mem_blocked=(), single_desc=order,
+        ))  # fmt: skip
+    lower = min(segment_cost(cost, e, e + 1) for cost in costs for e in range(num_entries))
+    _, bounds = min_max_split(stages=costs, num_entries=num_entries, lower_bound=lower)
+    overs = [segment_cost(cost, bounds[c], bounds[c + 1]) for c, cost in enumerate(costs)]
+    worst = max(range(len(costs)), key=overs.__getitem__)
+    need = overs[worst] + min(caps[worst], _HUGE)
+    detail = ""
+    if len(costs) > len(stages):
+        rank = ranks[worst]
+        detail = f" (its share of pipeline rank {rank}'s {stages[rank].memory_bytes / 2**30:.1f} GiB)"
+    raise InfeasibleError(over_memory_message(label=f"stage {worst}", need_bytes=need, cap_bytes=caps[worst], detail=detail))
+
+
+def _raise_rank_overflow(partition: Partition, stages: Sequence[StageSpec]) -> None:
+    used = partition.rank_memory_bytes
+    rank = max(range(len(stages)), key=lambda r: used[r] - stages[r].memory_bytes)
+    assert used[rank] > stages[rank].memory_bytes
+    label = f"{partition.method} split: stage {rank}"
+    if partition.virtual_pipeline_model_parallel_size > 1:
+        label = f"{partition.method} split: pipeline rank {rank}"
+    raise InfeasibleError(over_memory_message(label=label, need_bytes=used[rank], cap_bytes=stages[rank].memory_bytes))
