@@ -1,0 +1,112 @@
+"""Activation bytes kept per in-flight microbatch, and pipeline p2p message size.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", Sec. 4 (16-bit activations, 1-byte dropout masks), per decoder layer:
+
+    no parallelism      s b h (34 + 5 a s / h)
+    TP                  s b h (10 + 24/t + 5 a s / (h t))
+    TP + SP             s b h (34/t + 5 a s / (h t))
+    selective recompute drops the 5 a s / h term
+    full recompute      2 s b h (the layer input; / t with SP)
+
+Derivation from first principles, so it extends to GQA and SwiGLU (e = bytes per
+element, q = a d, kv = g d for g query groups, f = ffn_hidden_size):
+
+- *replicated* across TP ranks (divided by t only under SP): two norm inputs
+  ``2 e sbh``, linear_qkv input ``e sbh``, linear_fc1 input ``e sbh``, and with
+  dropout two 1-byte masks ``2 sbh``; e = 2 gives Korthikanti's 10;
+- *sharded* by t: Q and K for ``Q K^T`` ``e sb (q + kv)``, V ``e sb kv``, linear_proj
+  input ``e sb q``; MLP: GELU input and linear_fc2 input ``2 e sb f``, or for SwiGLU
+  the ``2f``-wide linear_fc1 output plus linear_fc2 input ``3 e sb f``; with q = kv = h
+  and f = 4h this is Korthikanti's 24;
+- *score* term, unfused attention only: softmax output ``e a s^2 b`` and, with dropout,
+  its mask ``a s^2 b`` and output ``e a s^2 b``: Korthikanti's 5 a s^2 b. Flash and
+  fused kernels keep no ``s x s`` tensor, and selective recompute (core attention)
+  drops it too.
+
+Context parallelism divides the local sequence by cp (keys still span s).
+Llama-style models (swiglu family) have no dropout, so no masks.
+"""
+
+from __future__ import annotations
+
+from megapipe.cost.shapes import Shapes, shapes_of
+from megapipe.records import ModelSpec, ParallelSpec, Recompute, TrainSpec
+
+__all__ = [
+    "decoder_activation_bytes",
+    "embedding_activation_bytes",
+    "output_activation_bytes",
+    "mtp_activation_bytes",
+    "activation_bytes_per_layer",
+    "p2p_bytes",
+]
+
+_LOGITS_BYTES = 4
+"""Megatron's vocab-parallel cross-entropy casts logits to fp32 and saves exp(logits)."""
+
+
+def _replicated_bytes(shapes: Shapes) -> float:
+    e = shapes.element_bytes
+    per_token = shapes.hidden_size * (4 * e + (2 if shapes.dropout else 0))
+    return shapes.norm_tokens * per_token
+
+
+def _sharded_bytes(shapes: Shapes) -> float:
+    e, q, kv, f = shapes.element_bytes, shapes.query_size, shapes.kv_size, shapes.ffn_hidden_size
+    attention = e * (q + kv) + e * kv + e * q
+    mlp = (3 if shapes.gated else 2) * e * f
+    return shapes.tokens * (attention + mlp) / shapes.tensor_model_parallel_size
+
+
+def _score_bytes(shapes: Shapes) -> float:
+    if not shapes.unfused_attention or shapes.recompute != Recompute.none:
+        return 0.0
+    e = shapes.element_bytes
+    per_score = 2 * e + 1 if shapes.dropout else e
+    heads = shapes.num_attention_heads / shapes.tensor_model_parallel_size
+    return per_score * heads * shapes.micro_batch_size * shapes.local_seq_length * shapes.seq_length
+
+
+def decoder_activation_bytes(shapes: Shapes) -> float:
+    """Bytes one decoder layer keeps for its backward, per microbatch, on one GPU."""
+    if shapes.recompute == Recompute.full:
+        return shapes.element_bytes * shapes.norm_tokens * shapes.hidden_size
+    return _replicated_bytes(shapes) + _sharded_bytes(shapes) + _score_bytes(shapes)
+
+
+def embedding_activation_bytes(shapes: Shapes) -> float:
+    """The embedding-dropout mask (Korthikanti Sec. 4.3: ``s b h / t`` with SP); none without dropout.
+
+    The embedding's output is stored by the first decoder layer's norm, counted there.
+    """
+    return float(shapes.norm_tokens * shapes.hidden_size) if shapes.dropout else 0.0
+
+
+def output_activation_bytes(shapes: Shapes) -> float:
+    """Final norm input, output-projection input and fp32 logits (Korthikanti Sec. 4.3: 4sbh/t + 4sbV/t)."""
+    inputs = 2 * shapes.element_bytes * shapes.norm_tokens * shapes.hidden_size
+    logits = _LOGITS_BYTES * shapes.tokens * shapes.vocab_size / shapes.tensor_model_parallel_size
+    return inputs + logits
+
+
+def mtp_activation_bytes(shapes: Shapes) -> float:
+    """An MTP block: enorm/hnorm inputs and the ``2h``-wide eh_proj input, a decoder layer, its own logits."""
+    extra = 4 * shapes.element_bytes * shapes.norm_tokens * shapes.hidden_size
+    return extra + decoder_activation_bytes(shapes) + output_activation_bytes(shapes)
+
+
+def activation_bytes_per_layer(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> float:
+    """Bytes a decoder layer keeps per in-flight microbatch on one GPU (see the module docstring)."""
+    return decoder_activation_bytes(shapes_of(model=model, parallel=parallel, train=train))
+
+
+def p2p_bytes(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> float:
+    """Bytes of the hidden-state tensor sent between neighbouring pipeline stages per microbatch.
+
+    ``s b h e``, divided by t under sequence parallelism (Megatron sends the
+    ``[s/t, b, h]`` shard) and by cp. Forward sends activations, backward their gradients
+    of the same size.
+    """
+    shapes = shapes_of(model=model, parallel=parallel, train=train)
+    return float(shapes.element_bytes * shapes.norm_tokens * shapes.hidden_size)

@@ -1,0 +1,155 @@
+"""Tensor sizes of one microbatch on one GPU, derived once from the records.
+
+Every cost formula in ``megapipe.cost`` reads these sizes instead of the five
+records, so the parallel sharding rules live in one place:
+
+- tensor parallelism (``t``) shards attention heads, query groups, the FFN width
+  and the vocabulary (Shoeybi et al. 2019, "Megatron-LM", Sec. 3);
+- sequence parallelism shards the sequence of the norm/dropout/residual regions
+  by ``t`` (Korthikanti et al. 2022, Sec. 4.2.2);
+- context parallelism shards the sequence of everything by ``cp``; attention
+  keys and values still span the whole sequence (ring attention).
+
+Model-family convention. ``ModelSpec`` has no bias, norm or dropout fields, so
+megapipe follows the two families Megatron's recipes ship:
+
+- ``activation=gelu`` (GPT-2/3 style, Megatron's TransformerConfig defaults):
+  LayerNorm (weight + bias), biases on every linear layer, hidden and attention
+  dropout 0.1;
+- ``activation=swiglu`` (Llama style): RMSNorm (weight only), no biases, no
+  dropout (dropout with p=0 keeps no mask).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megapipe.errors import ConfigError
+from megapipe.records import Activation, AttentionBackend, ModelSpec, ParallelSpec, Recompute, TrainSpec
+
+__all__ = ["Shapes", "shapes_of", "padded_vocab_size", "activation_bytes_per_element", "MAKE_VOCAB_SIZE_DIVISIBLE_BY"]
+
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+"""Megatron-LM's default ``--make-vocab-size-divisible-by``."""
+
+_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shapes:
+    """Sizes for one microbatch on one GPU; ``*_size`` fields are whole-model widths."""
+
+    seq_length: int
+    """Full sequence s (attention keys span all of it)."""
+    local_seq_length: int
+    """s / context_parallel_size: the queries and tokens this GPU holds."""
+    micro_batch_size: int
+    hidden_size: int
+    query_size: int
+    """num_attention_heads * kv_channels."""
+    kv_size: int
+    """num_query_groups * kv_channels."""
+    ffn_hidden_size: int
+    vocab_size: int
+    """Padded as Megatron pads it for this tensor-parallel size."""
+    num_attention_heads: int
+    tensor_model_parallel_size: int
+    sequence_parallel: bool
+    element_bytes: int
+    """Bytes of one activation/weight element (2 for bf16/fp16, 4 for fp32)."""
+    gated: bool
+    """SwiGLU: linear_fc1 is 2 * ffn_hidden_size wide."""
+    gpt_style: bool
+    """LayerNorm + biases + dropout (gelu family); RMSNorm, no biases, no dropout otherwise."""
+    learned_positions: bool
+    unfused_attention: bool
+    recompute: Recompute
+
+    @property
+    def tokens(self) -> int:
+        """Tokens entering the GEMMs on this GPU: local sequence x micro-batch."""
+        return self.local_seq_length * self.micro_batch_size
+
+    @property
+    def norm_tokens(self) -> float:
+        """Tokens in the norm/dropout/residual regions: divided by t under sequence parallelism."""
+        return self.tokens / (self.tensor_model_parallel_size if self.sequence_parallel else 1)
+
+    @property
+    def dropout(self) -> bool:
+        return self.gpt_style
+
+
+def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
+    """Megatron-LM's ``_vocab_size_with_padding``: round up to a multiple of 128 * t."""
+    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tensor_model_parallel_size
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def activation_bytes_per_element(precision: str) -> int:
+    try:
+        return _ELEMENT_BYTES[precision]
+    except KeyError:
+        raise ConfigError(f"train.precision={precision!r} is not supported; use bf16, fp16 or fp32") from None
+
+
+def shapes_of(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> Shapes:
+    """Validate the sharding against Megatron's divisibility rules and return the per-GPU sizes."""
+    _validate(model=model, parallel=parallel, train=train)
+    tp = parallel.tensor_model_parallel_size
+    return Shapes(
+        seq_length=train.seq_length,
+        local_seq_length=train.seq_length // parallel.context_parallel_size,
+        micro_batch_size=train.micro_batch_size,
+        hidden_size=model.hidden_size,
+        query_size=model.num_attention_heads * model.head_dim,
+        kv_size=model.num_query_groups * model.head_dim,
+        ffn_hidden_size=model.ffn_hidden_size,
+        vocab_size=padded_vocab_size(model.vocab_size, tp),
+        num_attention_heads=model.num_attention_heads,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=parallel.sequence_parallel and tp > 1,
+        element_bytes=activation_bytes_per_element(train.precision),
+        gated=Activation(model.activation) == Activation.swiglu,
+        gpt_style=Activation(model.activation) == Activation.gelu,
+        learned_positions=model.position_embedding_type == "learned_absolute",
+        unfused_attention=AttentionBackend(model.attention_backend) == AttentionBackend.unfused,
+        recompute=Recompute(train.recompute_granularity),
+    )
+
+
+def _validate(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> None:
+    positive = {
+        "model.num_layers": model.num_layers, "model.hidden_size": model.hidden_size,
+        "model.num_attention_heads": model.num_attention_heads, "model.num_query_groups": model.num_query_groups,
+        "model.ffn_hidden_size": model.ffn_hidden_size, "model.vocab_size": model.vocab_size,
+        "train.seq_length": train.seq_length, "train.micro_batch_size": train.micro_batch_size,
+        "parallel.tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+        "parallel.context_parallel_size": parallel.context_parallel_size,
+        "parallel.data_parallel_size": parallel.data_parallel_size,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    if model.num_attention_heads % model.num_query_groups:
+        raise ConfigError(
+            f"model.num_attention_heads={model.num_attention_heads} is not a multiple of "
+            f"model.num_query_groups={model.num_query_groups}; pick a divisor"
+        )
+    tp = parallel.tensor_model_parallel_size
+    for key, value in (("model.num_query_groups", model.num_query_groups),
+                       ("model.ffn_hidden_size", model.ffn_hidden_size)):
+        if value % tp:
+            raise ConfigError(f"{key}={value} is not divisible by tensor_model_parallel_size={tp}; pick a divisor")
+    if parallel.sequence_parallel and tp > 1 and (train.seq_length // parallel.context_parallel_size) % tp:
+        raise ConfigError(
+            f"train.seq_length={train.seq_length} / context_parallel_size={parallel.context_parallel_size} is not "
+            f"divisible by tensor_model_parallel_size={tp} as sequence_parallel needs; change one of them"
+        )
+    cp = parallel.context_parallel_size
+    if cp > 1 and train.seq_length % (2 * cp):
+        raise ConfigError(
+            f"train.seq_length={train.seq_length} is not divisible by 2 * context_parallel_size={2 * cp} "
+            "(Megatron's load-balanced context parallelism); change one of them"
+        )

@@ -1,0 +1,73 @@
+"""HBM bytes moved by the memory-bound kernels of each unit, per microbatch, on one GPU.
+
+First-order counts (each kernel reads its inputs and writes its output once; e =
+bytes per element); backward kernels read the saved input and the incoming gradient
+and write a gradient, so backward traffic is taken as twice the forward's:
+
+- norm: read + write ``2 e`` per element of the hidden state;
+- Megatron's fused bias-dropout-add: read input and residual, write output ``3 e``,
+  plus a 1-byte mask with dropout;
+- bias-GELU ``2 e`` per FFN element; SwiGLU reads the ``2f``-wide input, writes ``f``: ``3 e``;
+- RoPE on Q and K: read + write ``2 e``;
+- unfused attention's scale-mask-softmax ``2 e`` per score, and with dropout ``2 e + 1``;
+- embedding lookup: read rows and write ``2 e`` per hidden element on every TP rank;
+  learned positions add ``3 e``; backward scatter-adds into the fp32 main gradient
+  (read gradient ``e``, read + write fp32 ``8``);
+- vocab-parallel cross-entropy: read bf16 logits, write fp32, max/exp/sum/normalise
+  passes: about ``e + 20`` per logit forward and ``e + 8`` backward.
+"""
+
+from __future__ import annotations
+
+from megapipe.cost.shapes import Shapes
+
+__all__ = [
+    "decoder_traffic_bytes",
+    "attention_core_traffic_bytes",
+    "embedding_traffic_bytes",
+    "output_traffic_bytes",
+]
+
+
+def decoder_traffic_bytes(shapes: Shapes) -> float:
+    """Forward bytes of a decoder layer's memory-bound kernels, excluding the attention core."""
+    e = shapes.element_bytes
+    hidden = shapes.norm_tokens * shapes.hidden_size
+    norms = 2 * 2 * e * hidden
+    dropout_add = 2 * (3 * e + (1 if shapes.dropout else 0)) * hidden
+    ffn = shapes.tokens * shapes.ffn_hidden_size / shapes.tensor_model_parallel_size
+    activation = (3 if shapes.gated else 2) * e * ffn
+    rope = 0.0 if shapes.learned_positions else 2 * e * shapes.tokens * (
+        shapes.query_size + shapes.kv_size) / shapes.tensor_model_parallel_size
+    return norms + dropout_add + activation + rope
+
+
+def attention_core_traffic_bytes(shapes: Shapes) -> float:
+    """Forward bytes of unfused attention's softmax (and dropout) over the ``s x s`` scores; 0 for flash/fused."""
+    if not shapes.unfused_attention:
+        return 0.0
+    scores = (
+        shapes.micro_batch_size * shapes.num_attention_heads / shapes.tensor_model_parallel_size
+        * shapes.local_seq_length * shapes.seq_length
+    )
+    per_score = 2 * shapes.element_bytes + ((2 * shapes.element_bytes + 1) if shapes.dropout else 0)
+    return per_score * scores
+
+
+def embedding_traffic_bytes(shapes: Shapes) -> tuple[float, float]:
+    """(forward, backward) bytes of the vocab-parallel lookup, position add and dropout."""
+    e = shapes.element_bytes
+    lookup = shapes.tokens * shapes.hidden_size
+    hidden = shapes.norm_tokens * shapes.hidden_size
+    forward = 2 * e * lookup + (3 * e * hidden if shapes.learned_positions else 0.0)
+    forward += (2 * e + 1) * hidden if shapes.dropout else 0.0
+    backward = (e + 8) * lookup + (2 * e * hidden if shapes.dropout else 0.0)
+    return forward, backward
+
+
+def output_traffic_bytes(shapes: Shapes) -> tuple[float, float]:
+    """(forward, backward) bytes of the final norm and the vocab-parallel cross-entropy."""
+    e = shapes.element_bytes
+    norm = 2 * e * shapes.norm_tokens * shapes.hidden_size
+    logits = shapes.tokens * shapes.vocab_size / shapes.tensor_model_parallel_size
+    return norm + (e + 20) * logits, 2 * norm + (e + 8) * logits
