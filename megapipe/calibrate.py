@@ -29,10 +29,13 @@ from megapipe.profile.format import Profile
 from megapipe.records import (
     Activation,
     AttentionBackend,
+    ClusterSpec,
     GpuSpec,
     LayerCost,
     LayerKind,
+    LinkSpec,
     ModelSpec,
+    NodeGroup,
     ParallelSpec,
     Recompute,
     TrainSpec,
@@ -52,6 +55,7 @@ __all__ = [
 ]
 
 FIELDS = ("matmul_efficiency", "matmul_half_flops", "bandwidth_efficiency")
+_LOOPBACK = LinkSpec(kind="loopback", bandwidth_gbytes_per_s=1e6, latency_us=0.0)
 _TIMES = ("fwd_ms", "bwd_ms")
 
 
@@ -63,6 +67,8 @@ class Sample:
     model: ModelSpec
     train: TrainSpec
     parallel: ParallelSpec = ParallelSpec()
+    cluster: ClusterSpec | None = None
+    """Supplies the tensor-parallel link when TP > 1; None means a single-GPU loopback."""
 
     @property
     def label(self) -> str:
@@ -98,9 +104,14 @@ class Fold:
 
 
 def _default_predictor(sample: Sample, gpu: GpuSpec) -> Sequence[LayerCost]:
+    """megapipe.cost's analytical units; the cluster only supplies the tensor-parallel link."""
     from megapipe.cost import layer_costs
 
-    return layer_costs(model=sample.model, train=sample.train, parallel=sample.parallel, gpu=gpu)
+    cluster = sample.cluster or ClusterSpec(
+        name="calibration", gpus_per_node=sample.parallel.tensor_model_parallel_size, price_per_gpu_hour=0.0,
+        intra_node=_LOOPBACK, inter_node=_LOOPBACK, node_groups=(NodeGroup(gpu=gpu, num_nodes=1),),
+    )
+    return layer_costs(model=sample.model, gpu=gpu, cluster=cluster, parallel=sample.parallel, train=sample.train).layers
 
 
 def _pairs(sample: Sample, gpu: GpuSpec, predict: Predictor) -> list[tuple[float, float]]:
@@ -292,5 +303,6 @@ def overlay_yaml(calibration: Calibration, *, comment: str = "") -> str:
     lines = ["# @package _global_"]
     lines += [f"# {line}" for line in comment.splitlines() if line]
     lines += ["cluster:", "  gpu:"]
-    lines += [f"    {name}: {getattr(calibration.gpu, name):.6g}" for name in FIELDS]
+    # repr of a float rounded to 6 digits always has a '.' or 'e-', so YAML reads it back as a float.
+    lines += [f"    {name}: {float(f'{getattr(calibration.gpu, name):.6g}')!r}" for name in FIELDS]
     return "\n".join(lines) + "\n"
