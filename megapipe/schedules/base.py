@@ -1,0 +1,105 @@
+"""Pipeline actions and the Schedule record that every schedule builder returns.
+
+Notation follows ``torch.distributed.pipelining`` so orders can be compared with
+it: ``str(action)`` is ``"<stage><kind><microbatch>"``, e.g. ``"2F0"``. Kinds:
+
+* ``F`` forward;
+* ``I`` backward for the input gradient only (the zero-bubble paper's *B*);
+* ``W`` backward for the weight gradient only (the paper's *W*);
+* ``B`` full backward (input and weight gradient fused, the paper's *B + W*),
+  used by schedules that do not split the backward (GPipe, 1F1B, interleaved).
+
+``stage`` is the model-order stage index, i.e. the index into the layout string
+(Megatron's vp-major order for interleaving: ``stage = chunk * P + rank``; for
+V-shaped schedules chunk 0 of rank r is stage r and chunk 1 is stage 2P-1-r).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from megapipe.errors import ScheduleError
+
+__all__ = ["Kind", "Action", "Schedule", "SCHEDULE_NAMES", "loop_stage", "v_stage", "check_sizes"]
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v")
+
+
+class Kind(str, enum.Enum):
+    F = "F"
+    I = "I"  # noqa: E741 - torch.distributed.pipelining's letter for BACKWARD_INPUT
+    W = "W"
+    B = "B"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One compute op of one rank: (rank, kind, microbatch, chunk) plus its model-order stage."""
+
+    rank: int
+    kind: Kind
+    microbatch: int
+    chunk: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+    """Per-rank action orders of one pipeline schedule for fixed sizes.
+
+    ``orders[r]`` is the exact sequence rank ``r`` executes; the simulator runs it
+    strictly in that order. ``stage_to_rank[s]`` places model-order stage ``s``.
+    """
+
+    name: str
+    pipeline_model_parallel_size: int
+    num_microbatches: int
+    virtual_pipeline_model_parallel_size: int
+    microbatch_group_size_per_vp_stage: int | None
+    stage_to_rank: tuple[int, ...]
+    orders: tuple[tuple[Action, ...], ...]
+    lowered: object = field(default=None, init=False, repr=False, compare=False)
+    """The simulator's validated flat form of ``orders``, memoised on first use."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    @property
+    def num_ops(self) -> int:
+        return sum(len(order) for order in self.orders)
+
+    def format(self) -> str:
+        """One line per rank in torch's notation, e.g. ``"rank 0: 0F0 0F1 0B0 ..."``."""
+        return "\n".join(
+            f"rank {r}: " + " ".join(str(a) for a in order) for r, order in enumerate(self.orders)
+        )
+
+
+def loop_stage(rank: int, chunk: int, pipeline_model_parallel_size: int) -> int:
+    """Megatron's vp-major placement: chunk c of rank r is layout stage c * P + r."""
+    return chunk * pipeline_model_parallel_size + rank
+
+
+def v_stage(rank: int, chunk: int, pipeline_model_parallel_size: int) -> int:
+    """V placement (ZB-V, DualPipeV): chunk 0 of rank r is stage r, chunk 1 is stage 2P-1-r."""
+    return rank if chunk == 0 else 2 * pipeline_model_parallel_size - 1 - rank
+
+
+def check_sizes(name: str, *, pipeline_model_parallel_size: int, num_microbatches: int) -> None:
+    """Checks shared by every schedule; each builder adds its own."""
+    if not isinstance(pipeline_model_parallel_size, int) or pipeline_model_parallel_size < 1:
+        raise ScheduleError(
+            f"{name}: pipeline_model_parallel_size={pipeline_model_parallel_size!r} must be an int >= 1"
+        )
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ScheduleError(
+            f"{name}: num_microbatches={num_microbatches!r} must be an int >= 1; "
+            "raise train.global_batch_size or lower train.micro_batch_size"
+        )

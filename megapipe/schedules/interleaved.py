@@ -1,0 +1,109 @@
+"""Interleaved 1F1B in Megatron's order (Narayanan et al. 2021, virtual pipeline stages).
+
+Reproduces ``forward_backward_pipelining_with_interleaving`` of megatron-core
+0.16.1 (``get_schedule_table`` and ``get_pp_rank_microbatches``):
+
+* virtual microbatch k of rank r runs (microbatch, chunk) = table[k], where the
+  table walks microbatch groups of ``microbatch_group_size_per_vp_stage``
+  (default P) and, inside a group, every chunk over the group's microbatches;
+* backward k uses the same table with the chunk mirrored (v - 1 - chunk);
+* warm-up = min(m*v, 2*(P - r - 1) + (v - 1) * group), then 1F1B steady state,
+  then cool-down backwards. Backwards are fused (kind ``B``).
+
+Megatron's checks are kept: v >= 2, P <= group <= m, and the last group is
+either full or at least P microbatches (with the default group = P this means
+m % P == 0).
+"""
+
+from __future__ import annotations
+
+from megapipe.errors import ScheduleError
+from megapipe.schedules.base import Action, Kind, loop_stage
+
+__all__ = ["interleaved_orders", "schedule_table", "check_interleaved"]
+
+
+def schedule_table(
+    *, num_microbatches: int, num_model_chunks: int, microbatch_group_size_per_vp_stage: int
+) -> tuple[tuple[int, int], ...]:
+    """Megatron's ``get_schedule_table``: (microbatch, chunk) per virtual microbatch id."""
+    table: list[tuple[int, int]] = []
+    group = microbatch_group_size_per_vp_stage
+    for first in range(0, num_microbatches, group):
+        last = min(first + group, num_microbatches)
+        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(first, last))
+    return tuple(table)
+
+
+def check_interleaved(
+    *, pipeline_model_parallel_size: int, num_microbatches: int, virtual_pipeline_model_parallel_size: int,
+    microbatch_group_size_per_vp_stage: int,
+) -> None:
+    pp, m, v, group = (
+        pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage,
+    )
+    if v < 2:
+        raise ScheduleError(
+            f"interleaved_1f1b needs virtual_pipeline_model_parallel_size >= 2, got {v}; "
+            "set parallel.virtual_pipeline_model_parallel_size=2 or use schedule=1f1b"
+        )
+    if pp < 2:
+        raise ScheduleError(
+            f"interleaved_1f1b needs pipeline_model_parallel_size >= 2, got {pp}; use schedule=1f1b"
+        )
+    if not pp <= group <= m:
+        raise ScheduleError(
+            f"interleaved_1f1b: microbatch_group_size_per_vp_stage={group} must lie in "
+            f"[pipeline_model_parallel_size={pp}, num_microbatches={m}]; raise num_microbatches to >= {pp}"
+        )
+    remainder = m % group
+    if 0 < remainder < pp:
+        raise ScheduleError(
+            f"interleaved_1f1b: num_microbatches={m} % microbatch_group_size_per_vp_stage={group} = {remainder} "
+            f"must be 0 or >= pipeline_model_parallel_size={pp} (Megatron rejects it); "
+            f"use num_microbatches={m - remainder + group} or a multiple of {group}"
+        )
+
+
+def _rank_order(rank: int, pp: int, m: int, v: int, group: int, table) -> tuple[Action, ...]:
+    total = m * v
+    warmup = min(total, 2 * (pp - rank - 1) + (v - 1) * group)
+
+    def forward(k: int) -> Action:
+        mb, chunk = table[k]
+        return Action(rank, Kind.F, mb, chunk, loop_stage(rank, chunk, pp))
+
+    def backward(k: int) -> Action:
+        mb, chunk = table[k]
+        chunk = v - 1 - chunk
+        return Action(rank, Kind.B, mb, chunk, loop_stage(rank, chunk, pp))
+
+    order = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order.append(forward(warmup + k))
+        order.append(backward(k))
+    order.extend(backward(k) for k in range(total - warmup, total))
+    return tuple(order)
+
+
+def interleaved_orders(
+    *, pipeline_model_parallel_size: int, num_microbatches: int, virtual_pipeline_model_parallel_size: int,
+    microbatch_group_size_per_vp_stage: int,
+) -> tuple[tuple[Action, ...], ...]:
+    check_interleaved(
+        pipeline_model_parallel_size=pipeline_model_parallel_size, num_microbatches=num_microbatches,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+    )
+    table = schedule_table(
+        num_microbatches=num_microbatches, num_model_chunks=virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+    )
+    return tuple(
+        _rank_order(
+            rank, pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size,
+            microbatch_group_size_per_vp_stage, table,
+        )
+        for rank in range(pipeline_model_parallel_size)
+    )
