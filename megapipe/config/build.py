@@ -96,10 +96,10 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "
 
 
 def _model_spec(node: DictConfig) -> ModelSpec:
-    fields = {key: node[key] for key in node if key != "config_path" and not OmegaConf.is_missing(node, key)}
-    path = node.get("config_path") if not OmegaConf.is_missing(node, "config_path") else None
-    if OmegaConf.is_missing(node, "config_path"):
-        raise ConfigError("model=hf needs model.config_path=/path/to/config.json")
+    fields = {key: node[key] for key in node if key != "config_path"}
+    path = node.get("config_path")
+    if not path and node.get("name") == "hf":
+        raise ConfigError("model=hf needs model.config_path=/path/to/config.json (a local Hugging Face config)")
     if path:
         from_file = read_hf_config(os.path.expanduser(str(path)))
         explicit = {key: value for key, value in fields.items() if value is not None and key != "name"}

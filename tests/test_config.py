@@ -1,0 +1,124 @@
+"""Real Hydra composition of the shipped config groups, and the config -> records boundary."""
+
+import json
+import os
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError
+
+from megapipe.config import compose, conf_dir, to_setup
+from megapipe.errors import ConfigError
+from megapipe.records import Activation, AttentionBackend, Recompute
+
+REQUIRED_MODELS = ("llama3_8b", "llama3_70b", "llama3_405b", "gpt3_175b", "gpt_48l_128k")
+REQUIRED_CLUSTERS = ("h100_80gb", "h200_141gb", "b300_192gb", "a100_80gb", "mi300x_192gb", "mixed_h100_a100")
+
+
+def test_defaults_are_the_writeups_70b_scenario():
+    setup = to_setup(compose())
+    assert setup.model.name == "llama3_70b"
+    assert setup.cluster.num_gpus == 128 and setup.cluster.gpus_per_node == 8
+    assert setup.train.seq_length == 8192
+    assert setup.train.global_batch_size * setup.train.seq_length == pytest.approx(2.1e6, rel=0.01)
+    # Null search dimensions fall back to the write-ups' TP=4, PP=8, DP=4.
+    assert (setup.parallel.tensor_model_parallel_size, setup.parallel.pipeline_model_parallel_size,
+            setup.parallel.data_parallel_size) == (4, 8, 4)
+    assert setup.fixed == frozenset()
+    assert setup.num_microbatches == 256 // (1 * 4)
+
+
+@pytest.mark.parametrize("name", REQUIRED_MODELS)
+def test_every_required_model_composes(name):
+    model = to_setup(compose([f"model={name}"])).model
+    assert model.num_layers > 0 and model.num_attention_heads % model.num_query_groups == 0
+    assert model.attention_backend in tuple(AttentionBackend)
+
+
+def test_the_writeups_48_layer_gpt():
+    model = to_setup(compose(["model=gpt_48l_128k"])).model
+    assert (model.num_layers, model.num_attention_heads) == (48, 16)
+    assert model.vocab_size >= 128_000
+
+
+@pytest.mark.parametrize("name", REQUIRED_CLUSTERS)
+def test_every_required_cluster_composes(name):
+    cluster = to_setup(compose([f"cluster={name}", "parallel.tensor_model_parallel_size=1",
+                                "parallel.pipeline_model_parallel_size=1"])).cluster
+    assert cluster.num_gpus > 0 and cluster.price_per_gpu_hour > 0
+    for group in cluster.node_groups:
+        assert 0 < group.gpu.usable_memory_fraction <= 1 and group.gpu.memory_gib > 0
+
+
+def test_mixed_cluster_has_two_gpu_types():
+    cluster = to_setup(compose(["cluster=mixed_h100_a100", "parallel.tensor_model_parallel_size=1",
+                                "parallel.pipeline_model_parallel_size=1"])).cluster
+    assert cluster.is_heterogeneous and len(cluster.node_groups) == 2
+
+
+def test_typo_key_is_hydras_error():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError), match="num_layerz"):
+        compose(["model.num_layerz=3"])
+
+
+def test_unknown_model_is_hydras_error():
+    with pytest.raises(Exception, match="llama9"):
+        compose(["model=llama9"])
+
+
+def test_overrides_fix_search_dimensions():
+    setup = to_setup(compose(["parallel.tensor_model_parallel_size=8", "train.micro_batch_size=2",
+                              "schedule=zb_h1", "train.recompute_granularity=selective"]))
+    assert setup.fixed == {"tensor_model_parallel_size", "micro_batch_size", "schedule", "recompute_granularity"}
+    assert setup.schedule == "zb_h1" and setup.train.recompute_granularity is Recompute.selective
+    assert setup.parallel.data_parallel_size == 128 // (8 * 8)
+
+
+def test_indivisible_gpu_count_is_a_config_error():
+    with pytest.raises(ConfigError, match="not divisible"):
+        to_setup(compose(["parallel.tensor_model_parallel_size=3"]))
+
+
+def test_indivisible_global_batch_is_a_config_error():
+    with pytest.raises(ConfigError, match="global_batch_size=100"):
+        to_setup(compose(["train.global_batch_size=100", "train.micro_batch_size=8"]))
+
+
+def test_hf_config_json(tmp_path):
+    config = {
+        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 14336, "max_position_embeddings": 8192, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+    }
+    path = tmp_path / "Meta-Llama-3-8B" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    model = to_setup(compose(["model=hf", f"model.config_path={path}"])).model
+    assert (model.num_layers, model.hidden_size, model.num_query_groups, model.ffn_hidden_size) == (32, 4096, 8, 14336)
+    assert model.activation is Activation.swiglu and model.untie_embeddings_and_output_weights
+    assert model.vocab_size == 128256 and model.name == "Meta-Llama-3-8B"
+    # A value on the command line wins over the file's.
+    assert to_setup(compose(["model=hf", f"model.config_path={path}", "model.num_layers=4"])).model.num_layers == 4
+
+
+def test_hf_without_path_or_with_bad_json(tmp_path):
+    with pytest.raises(ConfigError, match="config_path"):
+        to_setup(compose(["model=hf"]))
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        to_setup(compose(["model=hf", f"model.config_path={bad}"]))
+
+
+def test_user_searchpath_adds_groups(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "my_model.yaml").write_text(
+        "defaults: [base_model, _self_]\nname: my_model\nnum_layers: 6\nhidden_size: 256\n"
+        "num_attention_heads: 4\nnum_query_groups: 4\nffn_hidden_size: 1024\nvocab_size: 1000\nseq_length: 512\n"
+    )
+    cfg = compose(["model=my_model", f"hydra.searchpath=[file://{tmp_path}]"])
+    assert to_setup(cfg).model.num_layers == 6
+
+
+def test_conf_dir_is_shipped_with_the_package():
+    assert os.path.isfile(os.path.join(conf_dir(), "config.yaml"))
