@@ -14,7 +14,8 @@ and write a gradient, so backward traffic is taken as twice the forward's:
   learned positions add ``3 e``; backward scatter-adds into the fp32 main gradient
   (read gradient ``e``, read + write fp32 ``8``);
 - vocab-parallel cross-entropy: read bf16 logits, write fp32, max/exp/sum/normalise
-  passes: about ``e + 20`` per logit forward and ``e + 8`` backward.
+  passes: about ``e + 20`` per logit forward; backward rewrites the fp32 softmax as the
+  gradient and casts it back: about ``e + 12``.
 """
 
 from __future__ import annotations
@@ -70,4 +71,4 @@ def output_traffic_bytes(shapes: Shapes) -> tuple[float, float]:
     e = shapes.element_bytes
     norm = 2 * e * shapes.norm_tokens * shapes.hidden_size
     logits = shapes.tokens * shapes.vocab_size / shapes.tensor_model_parallel_size
-    return norm + (e + 20) * logits, 2 * norm + (e + 8) * logits
+    return norm + (e + 20) * logits, 2 * norm + (e + 12) * logits
