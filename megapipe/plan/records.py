@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megapipe.records import ParallelSpec, TrainSpec
+from megapipe.records import ParallelSpec, Partition, TrainSpec
 
 __all__ = ["SCHEDULES", "SearchOptions", "Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult"]
 
@@ -122,6 +122,8 @@ class Plan:
     warnings: tuple[str, ...] = ()
     stage_gpus: tuple[str, ...] = ()
     """GPU type per pipeline rank (mixed clusters)."""
+    partition: Partition | None = field(default=None, compare=False, repr=False)
+    """The solver's record, for the emitters and the Gantt chart."""
 
     @property
     def key(self) -> tuple:
@@ -215,6 +217,8 @@ class SearchResult:
     reference: Plan | None = None
     """A fixed comparison configuration (e.g. a published TP/PP/DP), when it fits the cluster."""
     stats: SearchStats = field(default_factory=SearchStats)
+    profile: object = field(default=None, compare=False, repr=False)
+    """The megapipe.profile.format.Profile the best plan was costed with."""
     hetero_gain: float | None = None
     """Mixed clusters: best plan's throughput over the equal split on the same stages, minus 1."""
 

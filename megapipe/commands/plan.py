@@ -1,0 +1,210 @@
+"""``megapipe plan``: search the parallel configuration, print the best plans, write the plan dir.
+
+Plan dir (``output.dir`` or Hydra's run directory): ``plan.yaml`` (megapipe-plan/1),
+``megatron_args.txt``, ``bridge_overrides.txt``, ``nemo2_overrides.txt``,
+``nemo1_overrides.txt``, ``profile.yaml`` (the layer costs used), ``gantt.png`` and
+``memory.png``. Every file is written atomically; plan.yaml holds no timestamps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from megapipe.config import to_setup
+from megapipe.errors import ConfigError
+from megapipe.plan.document import json_summary, plan_document
+from megapipe.plan.records import SCHEDULES, SearchOptions, SearchResult
+from megapipe.plan.search import search
+from megapipe.profile.format import Profile, atomic_write_text
+
+__all__ = ["run", "search_options", "search_inputs", "write_plan_dir"]
+
+_PARALLEL_DIMS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel")
+
+
+def search_options(cfg: DictConfig) -> SearchOptions:
+    """``search.*`` (and train.total_tokens) as a SearchOptions record."""
+    node = cfg.search
+    target = node.get("bubble_target")
+    if target is not None and len(target) != 2:
+        raise ConfigError(f"search.bubble_target={list(target)} must be [low, high]")
+    warn = list(node.get("bubble_warning_range") or (0.12, 0.15))
+    if len(warn) != 2:
+        raise ConfigError(f"search.bubble_warning_range={warn} must be [low, high]")
+    top_k = int(node.get("top_k") or 5)
+    if top_k < 1:
+        raise ConfigError(f"search.top_k={top_k} must be >= 1")
+    objective = node.get("objective") or "throughput"
+    return SearchOptions(
+        objective=getattr(objective, "value", str(objective)), top_k=top_k,
+        allow_cross_node_tp=bool(node.get("allow_cross_node_tp")),
+        bubble_target=None if target is None else (float(target[0]), float(target[1])),
+        bubble_warning_range=(float(warn[0]), float(warn[1])),
+        ignore_memory_limit=bool(node.get("ignore_memory_limit")),
+        max_pipeline_model_parallel_size=node.get("max_pipeline_model_parallel_size"),
+        total_tokens=float(cfg.train.get("total_tokens") or 2e12),
+    )
+
+
+def search_inputs(cfg: DictConfig):
+    """(setup, fixed) for a search: searched dimensions stay free, fixed ones are pinned.
+
+    ``to_setup`` fills null dimensions with defaults and checks them; for a search those
+    defaults are placeholders, so they are set to 1 here before the shared validation runs.
+    """
+    probe = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    OmegaConf.set_struct(probe, False)
+    fixed: dict[str, object] = {}
+    for key in _PARALLEL_DIMS:
+        value = probe.parallel.get(key)
+        if value is None:
+            probe.parallel[key] = False if key == "sequence_parallel" else 1
+        else:
+            fixed[key] = value
+    for key in ("micro_batch_size", "recompute_granularity"):
+        if probe.train.get(key) is not None:
+            fixed[key] = probe.train[key]
+    if probe.train.get("micro_batch_size") is None:
+        probe.train.micro_batch_size = 1
+    if probe.train.get("num_microbatches") is None:
+        probe.train.num_microbatches = 1
+    schedule = probe.schedule.get("name")
+    if schedule not in (None, "all"):
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)} or all")
+        fixed["schedule"] = schedule
+    setup = to_setup(probe)
+    if "recompute_granularity" in fixed:
+        fixed["recompute_granularity"] = setup.train.recompute_granularity
+    return setup, fixed
+
+
+def _progress_search(**kwargs) -> SearchResult:
+    """Search with a rich progress bar on stderr (shown only when stderr is a terminal)."""
+    if not sys.stderr.isatty():
+        return search(**kwargs)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("simulating candidates", total=None)
+
+        def tick(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return search(progress=tick, **kwargs)
+
+
+def write_plan_dir(directory: str, *, result: SearchResult, setup, options: SearchOptions, cfg: DictConfig,
+                   pictures: bool = True) -> dict:
+    """Write every file of the plan dir; return the plan document."""
+    from megapipe.emit import emit
+
+    best = result.best
+    emitted = emit(partition=best.partition, parallel=best.parallel, train=best.train)
+    inputs = OmegaConf.to_container(cfg, resolve=True)
+    inputs.pop("hydra", None)
+    document = plan_document(result=result, model=setup.model, cluster=setup.cluster, inputs=inputs,
+                             emitted=emitted.as_dict())
+    os.makedirs(directory, exist_ok=True)
+    atomic_write_text(os.path.join(directory, "plan.yaml"),
+                      yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=120))
+    for name, tokens in (("megatron_args.txt", emitted.megatron_args), ("bridge_overrides.txt", emitted.bridge_overrides),
+                         ("nemo2_overrides.txt", emitted.nemo2_overrides),
+                         ("nemo1_overrides.txt", emitted.nemo1_overrides)):
+        atomic_write_text(os.path.join(directory, name), "\n".join(tokens) + "\n")
+    if isinstance(result.profile, Profile):
+        result.profile.save(os.path.join(directory, "profile.yaml"))
+    if pictures:
+        _pictures(directory, result)
+    return document
+
+
+def _pictures(directory: str, result: SearchResult) -> None:
+    from megapipe.report.plots import memory_chart
+
+    memory_chart(result.best, os.path.join(directory, "memory.png"), baseline=result.baseline)
+    try:
+        from megapipe.report import gantt
+    except ImportError:
+        return
+    draw = getattr(gantt, "plan_gantt", None)
+    if draw is not None:
+        draw(result.best, os.path.join(directory, "gantt.png"))
+
+
+def run(cfg: DictConfig) -> None:
+    from megapipe.cli import output_dir
+
+    setup, fixed = search_inputs(cfg)
+    options = search_options(cfg)
+    profile = Profile.load(setup.profile_path) if setup.profile_path else None
+    if profile is not None:
+        _pin_for_profile(setup, fixed)
+    result = _progress_search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
+                              options=options, profile=profile,
+                              use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
+    directory = output_dir(cfg)
+    write_plan_dir(directory, result=result, setup=setup, options=options, cfg=cfg,
+                   pictures=bool(cfg.output.get("pictures", True)))
+    fmt = getattr(cfg.output.format, "value", str(cfg.output.format))
+    if fmt == "json":
+        print(json.dumps(json_summary(result), sort_keys=False))
+        return
+    print_plans(result, directory=directory)
+
+
+_LAYER_COST_DIMS = ("tensor_model_parallel_size", "context_parallel_size", "sequence_parallel", "micro_batch_size",
+                    "recompute_granularity")
+
+
+def _pin_for_profile(setup, fixed: dict) -> None:
+    """A measured profile holds costs for one TP/CP/SP/micro-batch/recompute: pin those to the config's."""
+    for key in _LAYER_COST_DIMS:
+        source = setup.train if key in ("micro_batch_size", "recompute_granularity") else setup.parallel
+        fixed.setdefault(key, getattr(source, key))
+
+
+def _row(label: str, plan) -> list[str]:
+    par, train = plan.parallel, plan.train
+    shape = (f"{par.tensor_model_parallel_size}/{par.pipeline_model_parallel_size}/{par.data_parallel_size}/"
+             f"{par.context_parallel_size}/{par.virtual_pipeline_model_parallel_size}")
+    peak = max(stage.total_bytes for stage in plan.stages) / 2**30
+    flags = "; ".join(plan.warnings)
+    return [label, shape, plan.schedule, str(train.micro_batch_size), train.recompute_granularity.value,
+            "y" if par.sequence_parallel else "n", f"{plan.tokens_per_s_per_gpu:,.0f}", f"{plan.mfu:.1%}",
+            f"{plan.bubble_fraction:.1%}", f"{peak:.1f}", f"{plan.memory_cv:.2f}",
+            f"${plan.cost_per_million_tokens:.3f}", f"${plan.total_cost / 1e6:,.2f}M", flags]
+
+
+def print_plans(result: SearchResult, *, directory: str) -> None:
+    """Rich table: top k, the best plan's equal split, and the reference configuration."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="megapipe plan: best first")
+    for name in ("", "TP/PP/DP/CP/VP", "schedule", "mbs", "recompute", "SP", "tok/s/GPU", "MFU", "bubble",
+                 "peak GiB", "mem CV", "$/1M tok", "total $", "warnings"):
+        table.add_column(name, overflow="fold")
+    for index, plan in enumerate(result.plans, start=1):
+        table.add_row(*_row(f"#{index}", plan))
+    if result.baseline is not None:
+        table.add_row(*_row("equal split", result.baseline))
+    if result.reference is not None:
+        table.add_row(*_row("TP4 PP8 ref", result.reference))
+    console = Console()
+    console.print(table)
+    best = result.best
+    console.print(f"layout: {best.layout}")
+    if result.baseline is not None:
+        gain = best.tokens_per_s / result.baseline.tokens_per_s - 1
+        console.print(f"gain over equal split: {gain:+.1%}")
+    stats = result.stats
+    console.print(f"searched {stats.enumerated} candidates, simulated {stats.simulated}, pruned "
+                  f"{dict(stats.pruned)} in {stats.seconds:.2f} s; files in {directory}")
+

@@ -1,0 +1,85 @@
+"""The ``megapipe-plan/1`` document: a search result, its inputs and the assumed topology.
+
+Pure: records in, plain dicts out. The same inputs give the same dict (no timestamps or
+durations), so ``plan.yaml`` is byte-identical across runs; the search's seconds appear
+only in the JSON printed on stdout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from megapipe.plan.records import Plan, SearchResult
+from megapipe.records import ClusterSpec, LinkSpec, ModelSpec
+
+__all__ = ["FORMAT", "plan_document", "json_summary"]
+
+FORMAT = "megapipe-plan/1"
+
+
+def _link(link: LinkSpec) -> dict:
+    return {"kind": link.kind, "bandwidth_gbytes_per_s": float(link.bandwidth_gbytes_per_s),
+            "latency_us": float(link.latency_us)}
+
+
+def _model(model: ModelSpec) -> dict:
+    out = asdict(model)
+    out["activation"] = model.activation.value
+    out["attention_backend"] = model.attention_backend.value
+    return out
+
+
+def _cluster(cluster: ClusterSpec) -> dict:
+    return {
+        "name": cluster.name,
+        "num_nodes": cluster.num_nodes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "num_gpus": cluster.num_gpus,
+        "price_per_gpu_hour": float(cluster.price_per_gpu_hour),
+        "node_groups": [{"gpu": asdict(group.gpu), "num_nodes": group.num_nodes} for group in cluster.node_groups],
+    }
+
+
+def _stats(result: SearchResult) -> dict:
+    stats = result.stats.to_dict()
+    stats.pop("seconds")
+    return stats
+
+
+def plan_document(*, result: SearchResult, model: ModelSpec, cluster: ClusterSpec, inputs: dict,
+                  emitted: dict | None = None) -> dict:
+    """Everything a run needs to reproduce and check the plan; ``inputs`` is the resolved config."""
+    best: Plan = result.best
+    doc = {
+        "format": FORMAT,
+        "model": _model(model),
+        "cluster": _cluster(cluster),
+        "topology": {
+            "intra_node": _link(cluster.intra_node),
+            "inter_node": _link(cluster.inter_node),
+            "gpus_per_node": cluster.gpus_per_node,
+            "rank_order": "tp-cp-dp-pp",
+        },
+        "best": best.to_dict(),
+        "plans": [plan.to_dict() for plan in result.plans],
+        "baseline": result.baseline.to_dict() if result.baseline else None,
+        "reference": result.reference.to_dict() if result.reference else None,
+        "search": _stats(result),
+        "inputs": inputs,
+    }
+    if result.hetero_gain is not None:
+        doc["hetero_gain_over_equal_split"] = float(f"{result.hetero_gain:.12g}")
+    if emitted is not None:
+        doc["emitted"] = emitted
+    return doc
+
+
+def json_summary(result: SearchResult) -> dict:
+    """The one JSON object of ``output.format=json``: plans best first, baseline, search stats."""
+    return {
+        "plans": [plan.to_dict() for plan in result.plans],
+        "baseline": result.baseline.to_dict() if result.baseline else None,
+        "reference": result.reference.to_dict() if result.reference else None,
+        "hetero_gain": result.hetero_gain,
+        "search": result.stats.to_dict(),
+    }

@@ -1,0 +1,263 @@
+"""One candidate, exactly: cost the layers -> solve the partition -> simulate the schedule
+-> add data-parallel sync and the optimizer step -> throughput, MFU, memory and money.
+
+Plus a closed-form lower bound on the step time and on the fullest rank's memory, used by
+the search to skip candidates that cannot rank (branch and bound). Caches are keyed by
+what each step depends on: layer costs by (TP, SP, CP, micro-batch, recompute, sequence,
+DP), schedules by (name, PP, VP, microbatches), pipeline p2p links by the rank stride.
+
+MFU convention (Chowdhery et al. 2022, PaLM App. B; Narayanan et al. 2021 eq. 3): model
+FLOPs per token from :func:`megapipe.cost.model_flops_per_token` (6 x parameters plus the
+attention score/context matmuls, forward + backward, recompute not counted), divided by
+the sum of the GPUs' dense bf16 peaks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megapipe import cost, partition, schedules
+from megapipe.plan.money import cost_per_million_tokens, training_cost
+from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
+from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
+from megapipe.plan.warnings import plan_warnings
+from megapipe.profile.format import Profile
+from megapipe.records import ClusterSpec, GpuSpec, LayerKind, LinkSpec, ModelSpec, Partition, StageSpec
+from megapipe.simulate import P2PCost, StageTimes, simulate
+
+__all__ = ["Bound", "Evaluator", "pipeline_link", "GIB"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class _Totals:
+    """Sums over a profile: what bounds need without a partition."""
+
+    fwd_ms: float
+    bwd_ms: float
+    wgrad_ms: float
+    static_bytes: float
+    act_bytes: float
+    param_count: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bound:
+    """Lower bounds valid for every partition of a candidate."""
+
+    step_ms: float
+    memory_bytes: float
+    """The fullest rank holds at least the mean: (static + one microbatch of activations) / PP."""
+
+
+def pipeline_link(*, cluster: ClusterSpec, stride: int, pipeline_model_parallel_size: int) -> LinkSpec:
+    """Megatron orders ranks tp-cp-dp-pp: pipeline neighbours are ``stride = TP*CP*DP`` GPUs apart.
+
+    If any neighbouring pair sits on different nodes, the pipeline runs at the inter-node link.
+    """
+    gpn = cluster.gpus_per_node
+    crosses = any((r * stride) // gpn != ((r + 1) * stride) // gpn for r in range(pipeline_model_parallel_size - 1))
+    return cluster.inter_node if crosses else cluster.intra_node
+
+
+class Evaluator:
+    """Evaluates candidates of one (model, cluster) scenario; holds its caches, nothing global."""
+
+    def __init__(self, *, model: ModelSpec, cluster: ClusterSpec, options: SearchOptions = SearchOptions(),
+                 profile: Profile | None = None):
+        self.model = model
+        self.cluster = cluster
+        self.options = options
+        self.fixed_profile = profile
+        self._profiles: dict[tuple, Profile] = {}
+        self._totals: dict[tuple, _Totals] = {}
+        self._schedules: dict[tuple, object] = {}
+        self._flops: dict[int, float] = {}
+
+    # -- layer costs -----------------------------------------------------------------
+    def profile(self, cand: Candidate, gpu: GpuSpec | None = None) -> Profile:
+        if self.fixed_profile is not None:
+            return self.fixed_profile
+        gpu = gpu or self.cluster.gpu
+        key = cand.layer_key + (cand.parallel.data_parallel_size, gpu.name)
+        found = self._profiles.get(key)
+        if found is None:
+            found = cost.layer_costs(model=self.model, gpu=gpu, cluster=self.cluster, parallel=cand.parallel,
+                                     train=cand.train)
+            self._profiles[key] = found
+        return found
+
+    def totals(self, cand: Candidate) -> _Totals:
+        key = cand.layer_key + (cand.parallel.data_parallel_size,)
+        found = self._totals.get(key)
+        if found is None:
+            layers = self.profile(cand).layers
+            found = _Totals(*(sum(getattr(layer, name) for layer in layers) for name in
+                              ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes", "param_count")))
+            self._totals[key] = found
+        return found
+
+    def model_flops_per_token(self, seq_length: int) -> float:
+        if seq_length not in self._flops:
+            self._flops[seq_length] = cost.model_flops_per_token(self.model, seq_length)
+        return self._flops[seq_length]
+
+    # -- bounds ----------------------------------------------------------------------
+    def bound(self, cand: Candidate, *, min_time_scale: float = 1.0) -> Bound:
+        """Closed-form lower bounds (see module docstring of megapipe.plan.search for their use).
+
+        Pipeline: every rank runs m microbatches of its share, so the busiest rank needs at least
+        m * T / p (T = forward + backward of all layers). Flush schedules that keep the backward
+        fused (GPipe, 1F1B) add the fill and drain: (m - 1) max t_i + sum t_i >= (m + p - 1) T / p;
+        interleaving with v chunks divides that fill by v (Narayanan et al. 2021).
+        Optimizer: the mean rank's share of parameters bounds the slowest rank's update.
+        """
+        totals = self.totals(cand)
+        pp = cand.parallel.pipeline_model_parallel_size
+        vp = cand.parallel.virtual_pipeline_model_parallel_size
+        m = cand.num_microbatches
+        per_rank = (totals.fwd_ms + totals.bwd_ms) / pp * min_time_scale
+        fill = {"gpipe": pp - 1, "1f1b": pp - 1, "interleaved_1f1b": (pp - 1) / vp}.get(cand.schedule, 0.0)
+        optimizer = optimizer_step_ms(params_per_gpu=totals.param_count / pp, gpu=self.cluster.gpu,
+                                      parallel=cand.parallel, precision=cand.train.precision)
+        return Bound(step_ms=(m + fill) * per_rank + optimizer,
+                     memory_bytes=(totals.static_bytes + totals.act_bytes) / pp)
+
+    # -- exact -----------------------------------------------------------------------
+    def schedule(self, cand: Candidate):
+        par = cand.parallel
+        key = (cand.schedule, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size,
+               cand.num_microbatches)
+        found = self._schedules.get(key)
+        if found is None:
+            found = schedules.build(cand.schedule, pipeline_model_parallel_size=key[1], num_microbatches=key[3],
+                                    virtual_pipeline_model_parallel_size=key[2])
+            self._schedules[key] = found
+        return found
+
+    def stage_specs(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> tuple[StageSpec, ...]:
+        pp = cand.parallel.pipeline_model_parallel_size
+        gpus = gpus or (self.cluster.gpu,) * pp
+        ref = self.profile(cand)
+        ref_ms = _profile_ms(ref)
+        specs = []
+        for gpu in gpus:
+            scale = 1.0 if gpu == self.cluster.gpu else _profile_ms(self.profile(cand, gpu)) / ref_ms
+            specs.append(StageSpec(time_scale=scale, memory_bytes=gpu.usable_memory_bytes, gpu_name=gpu.name))
+        return tuple(specs)
+
+    def partition(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
+                  check_memory: bool = True) -> Partition:
+        return partition.solve(
+            self.profile(cand), list(self.stage_specs(cand, gpus)), num_microbatches=cand.num_microbatches,
+            schedule=cand.schedule, virtual_pipeline_model_parallel_size=cand.parallel.virtual_pipeline_model_parallel_size,
+            method=method, check_memory=check_memory,
+        )
+
+    def evaluate(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
+                 check_memory: bool | None = None) -> Plan:
+        """Partition, simulate and price one candidate; raises InfeasibleError / ScheduleError.
+
+        ``check_memory`` None follows ``search.ignore_memory_limit``; False keeps a split that does
+        not fit, flagged infeasible with the GiB over.
+        """
+        pp = cand.parallel.pipeline_model_parallel_size
+        gpus = gpus or (self.cluster.gpu,) * pp
+        if check_memory is None:
+            check_memory = not self.options.ignore_memory_limit
+        part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory)
+        schedule = self.schedule(cand)
+        specs = self.stage_specs(cand, gpus)
+        times = self._stage_times(cand, part, schedule, specs)
+        sim = simulate(schedule, times, p2p=self._p2p(cand))
+        return self._plan(cand, part, schedule, sim, specs, gpus, times)
+
+    def _stage_times(self, cand: Candidate, part: Partition, schedule, specs) -> StageTimes:
+        layers = self.profile(cand).layers
+        fwd, bwd, wgrad, act = [], [], [], []
+        start = 0
+        for stage, count in enumerate(part.layers_per_stage):
+            scale = specs[schedule.stage_to_rank[stage]].time_scale
+            chunk = layers[start:start + count]
+            start += count
+            fwd.append(scale * sum(layer.fwd_ms for layer in chunk))
+            bwd.append(scale * sum(layer.bwd_ms for layer in chunk))
+            wgrad.append(scale * sum(layer.wgrad_ms for layer in chunk))
+            act.append(sum(layer.act_bytes for layer in chunk))
+        return StageTimes(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), wgrad_ms=tuple(wgrad), act_bytes=tuple(act))
+
+    def _p2p(self, cand: Candidate) -> P2PCost:
+        par = cand.parallel
+        stride = par.tensor_model_parallel_size * par.context_parallel_size * par.data_parallel_size
+        link = pipeline_link(cluster=self.cluster, stride=stride,
+                             pipeline_model_parallel_size=par.pipeline_model_parallel_size)
+        return P2PCost.from_link(link, p2p_bytes=cost.p2p_bytes(model=self.model, parallel=par, train=cand.train))
+
+    def _plan(self, cand: Candidate, part: Partition, schedule, sim, specs, gpus, times: StageTimes) -> Plan:
+        par, train = cand.parallel, cand.train
+        pp = par.pipeline_model_parallel_size
+        layers = self.profile(cand).layers
+        rank_of = schedule.stage_to_rank
+        static = [0.0] * pp
+        params = [0.0] * pp
+        fwd = [0.0] * pp
+        bwd = [0.0] * pp
+        start = 0
+        for stage, count in enumerate(part.layers_per_stage):
+            rank = rank_of[stage]
+            chunk = layers[start:start + count]
+            start += count
+            static[rank] += sum(layer.static_bytes for layer in chunk)
+            params[rank] += sum(layer.param_count for layer in chunk)
+            fwd[rank] += times.fwd_ms[stage]
+            bwd[rank] += times.bwd_ms[stage]
+        act = [stats.peak_activation_bytes for stats in sim.ranks]
+        usages = tuple(
+            StageUsage(time_ms=fwd[r] + bwd[r], static_bytes=static[r], activation_bytes=act[r],
+                       total_bytes=static[r] + act[r], gpu_name=gpus[r].name if self.cluster.is_heterogeneous else "")
+            for r in range(pp)
+        )
+        sync = max(dp_sync_ms(params_per_gpu=params[r], precision=train.precision, cluster=self.cluster,
+                              parallel=par, backward_ms=bwd[r], forward_ms=fwd[r]) for r in range(pp))
+        optimizer = max(optimizer_step_ms(params_per_gpu=params[r], gpu=gpus[r], parallel=par,
+                                          precision=train.precision) for r in range(pp))
+        return _metrics(self, cand, part, sim, usages, specs, sync, optimizer)
+
+
+def _metrics(ev: Evaluator, cand: Candidate, part: Partition, sim, usages, specs, sync_ms, optimizer_ms) -> Plan:
+    par, train, cluster = cand.parallel, cand.train, ev.cluster
+    step_s = (sim.step_time_ms + sync_ms + optimizer_ms) / 1e3
+    tokens_per_s = train.global_batch_size * train.seq_length / step_s
+    num_gpus = cluster.num_gpus
+    peak_flops = sum(g.gpu.bf16_tflops * 1e12 * g.num_nodes * cluster.gpus_per_node for g in cluster.node_groups)
+    totals = [u.total_bytes for u in usages]
+    mean = sum(totals) / len(totals)
+    over = max(u.total_bytes - spec.memory_bytes for u, spec in zip(usages, specs))
+    over_gib = max(0.0, over / GIB)
+    decoder_counts = tuple(sum(1 for kind in kinds if kind == LayerKind.decoder) for kinds in part.stage_kinds)
+    return Plan(
+        parallel=par, train=train, schedule=cand.schedule, num_microbatches=cand.num_microbatches,
+        layers_per_stage=decoder_counts, layout=part.layout, method=part.method, pipeline_ms=sim.step_time_ms,
+        dp_sync_ms=sync_ms, optimizer_ms=optimizer_ms, step_time_s=step_s, tokens_per_s=tokens_per_s,
+        tokens_per_s_per_gpu=tokens_per_s / num_gpus,
+        mfu=tokens_per_s * ev.model_flops_per_token(train.seq_length) / peak_flops,
+        bubble_fraction=sim.bubble_fraction, stages=usages,
+        memory_spread=(max(totals) - min(totals)) / mean if mean else 0.0,
+        memory_cv=math.sqrt(sum((t - mean) ** 2 for t in totals) / len(totals)) / mean if mean else 0.0,
+        cost_per_million_tokens=cost_per_million_tokens(tokens_per_s=tokens_per_s, num_gpus=num_gpus,
+                                                        price_per_gpu_hour=cluster.price_per_gpu_hour),
+        total_cost=training_cost(total_tokens=ev.options.total_tokens, tokens_per_s=tokens_per_s, num_gpus=num_gpus,
+                                 price_per_gpu_hour=cluster.price_per_gpu_hour),
+        feasible=over_gib == 0.0, memory_over_gib=over_gib,
+        warnings=plan_warnings(parallel=par, train=train, cluster=cluster, bubble_fraction=sim.bubble_fraction,
+                               num_microbatches=cand.num_microbatches,
+                               bubble_warning_range=ev.options.bubble_warning_range, memory_over_gib=over_gib),
+        stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
+        partition=part,
+    )
+
+
+def _profile_ms(profile: Profile) -> float:
+    return sum(layer.fwd_ms + layer.bwd_ms for layer in profile.layers)

@@ -1,0 +1,210 @@
+"""The full search: enumerate, prune by closed forms, bound, then partition and simulate
+only the candidates that can still rank (branch and bound).
+
+Order of work:
+
+1. :func:`megapipe.plan.space.enumerate_candidates` drops shapes Megatron rejects
+   (``divisibility``, ``microbatches``).
+2. Each survivor gets closed-form lower bounds (:meth:`Evaluator.bound`); if even the
+   mean rank's static + one-microbatch memory exceeds usable memory it is pruned
+   (``memory``).
+3. Survivors are visited best bound first. Every candidate uses all GPUs for the same
+   tokens per step, so throughput per GPU and dollars per token order candidates the
+   same way, and a step-time bound is a bound for both objectives. Once ``top_k``
+   feasible plans are known and the next bound is no better than the k-th, the rest
+   cannot rank and are skipped (``bound``).
+4. Exact evaluation can still fail: the solver finds no split that fits (``memory``)
+   or the schedule rejects the sizes (``schedule``).
+
+With ``search.bubble_target`` every micro-batch size of a layout competes on its bubble,
+not on its bound, so step 3 is skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+from megapipe.errors import ConfigError, InfeasibleError, ScheduleError
+from megapipe.plan.evaluate import Evaluator
+from megapipe.plan.hetero import placements
+from megapipe.plan.rank import rank_plans, score
+from megapipe.plan.records import Candidate, Plan, SearchOptions, SearchResult, SearchStats
+from megapipe.plan.space import enumerate_candidates
+from megapipe.profile.format import Profile
+from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
+
+__all__ = ["search", "reference_candidate", "REFERENCE"]
+
+REFERENCE = {"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 8}
+"""The write-ups' 70B configuration (TP=4, PP=8, DP=rest, 1F1B, micro-batch 1, SP)."""
+
+
+def search(
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    fixed: Mapping[str, object] | None = None,
+    options: SearchOptions = SearchOptions(),
+    profile: Profile | None = None,
+    use_distributed_optimizer: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    """Best plans first, with the equal-split baseline of the best and the reference configuration."""
+    started = time.perf_counter()
+    _check_cluster(cluster)
+    evaluator = Evaluator(model=model, cluster=cluster, options=options, profile=profile)
+    space = enumerate_candidates(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
+                                 use_distributed_optimizer=use_distributed_optimizer)
+    pruned = Counter(space.pruned)
+    bounded = _bound_all(evaluator, space.candidates, pruned)
+    plans, simulated, memory_floor = _branch_and_bound(evaluator, bounded, pruned, progress)
+    if not plans:
+        raise InfeasibleError(_no_plan_message(model, cluster, train, pruned, memory_floor))
+    ranked = rank_plans(plans, objective=options.objective, top_k=options.top_k, bubble_target=options.bubble_target)
+    best = ranked[0]
+    baseline = _try(evaluator, _candidate_of(best), method="equal", gpus=_gpus_of(evaluator, best))
+    reference = _reference(evaluator, train, use_distributed_optimizer)
+    stats = SearchStats(enumerated=space.enumerated, evaluated=len(bounded), simulated=simulated,
+                        pruned=tuple(sorted(pruned.items())), seconds=time.perf_counter() - started)
+    gain = best.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
+    return SearchResult(plans=ranked, baseline=baseline, reference=reference, stats=stats,
+                        profile=evaluator.profile(_candidate_of(best)),
+                        hetero_gain=gain if cluster.is_heterogeneous else None)
+
+
+def _check_cluster(cluster: ClusterSpec) -> None:
+    for group in cluster.node_groups:
+        if group.gpu.usable_memory_bytes <= 0:
+            raise ConfigError(
+                f"cluster {cluster.name!r}: gpu {group.gpu.name!r} has memory_gib={group.gpu.memory_gib}; "
+                "set a positive cluster.gpu.memory_gib"
+            )
+
+
+def _bound_all(evaluator: Evaluator, candidates, pruned: Counter) -> list[tuple[float, int, Candidate]]:
+    options = evaluator.options
+    memory_cap = max(group.gpu.usable_memory_bytes for group in evaluator.cluster.node_groups)
+    min_scale = _min_time_scale(evaluator)
+    out = []
+    for index, cand in enumerate(candidates):
+        bound = evaluator.bound(cand, min_time_scale=min_scale)
+        if bound.memory_bytes > memory_cap and not options.ignore_memory_limit:
+            pruned["memory"] += 1
+            continue
+        out.append((bound.step_ms, index, cand))
+    out.sort(key=lambda item: item[:2])
+    return out
+
+
+def _min_time_scale(evaluator: Evaluator) -> float:
+    """The fastest GPU type relative to the profiled one, from datasheet matmul throughput."""
+    ref = evaluator.cluster.gpu
+    return min(
+        (ref.bf16_tflops * ref.matmul_efficiency) / (g.gpu.bf16_tflops * g.gpu.matmul_efficiency)
+        for g in evaluator.cluster.node_groups
+    )
+
+
+def _branch_and_bound(evaluator: Evaluator, bounded, pruned: Counter, progress) -> tuple[list[Plan], int, float]:
+    options = evaluator.options
+    keep_all = options.bubble_target is not None
+    plans: list[Plan] = []
+    feasible_steps: list[float] = []
+    simulated = 0
+    memory_floor = float("inf")
+    for done, (bound_ms, _, cand) in enumerate(bounded):
+        if progress is not None:
+            progress(done, len(bounded))
+        if not keep_all and len(feasible_steps) >= options.top_k and bound_ms >= feasible_steps[options.top_k - 1]:
+            pruned["bound"] += len(bounded) - done
+            break
+        simulated += 1
+        plan = _best_placement(evaluator, cand, pruned)
+        if plan is None:
+            continue
+        if not plan.feasible:
+            memory_floor = min(memory_floor, plan.memory_over_gib)
+        plans.append(plan)
+        if plan.feasible:
+            feasible_steps.append(plan.step_time_s * 1e3)
+            feasible_steps.sort()
+    return plans, simulated, memory_floor
+
+
+def _best_placement(evaluator: Evaluator, cand: Candidate, pruned: Counter) -> Plan | None:
+    choices = placements(evaluator.cluster, cand.parallel)
+    if not choices:
+        pruned["placement"] += 1
+        return None
+    results = []
+    for gpus in choices:
+        try:
+            results.append(evaluator.evaluate(cand, gpus=gpus))
+        except InfeasibleError:
+            continue
+        except ScheduleError:
+            pruned["schedule"] += 1
+            return None
+    if not results:
+        pruned["memory"] += 1
+        return None
+    return min(results, key=lambda plan: score(plan, "throughput"))
+
+
+def _try(evaluator: Evaluator, cand: Candidate, *, method: str, gpus=None) -> Plan | None:
+    """A comparison plan, kept (flagged infeasible) even when it does not fit."""
+    try:
+        return evaluator.evaluate(cand, method=method, gpus=gpus, check_memory=False)
+    except (InfeasibleError, ScheduleError):
+        return None
+
+
+def _candidate_of(plan: Plan) -> Candidate:
+    return Candidate(parallel=plan.parallel, train=plan.train, schedule=plan.schedule)
+
+
+def _gpus_of(evaluator: Evaluator, plan: Plan):
+    if not plan.stage_gpus:
+        return None
+    by_name = {group.gpu.name: group.gpu for group in evaluator.cluster.node_groups}
+    return tuple(by_name[name] for name in plan.stage_gpus)
+
+
+def reference_candidate(*, cluster: ClusterSpec, train: TrainSpec, use_distributed_optimizer: bool = True
+                        ) -> Candidate | None:
+    """TP=4, PP=8, DP = the rest, 1F1B, micro-batch 1, no recompute, SP; None if it does not fit the cluster."""
+    tp, pp = REFERENCE["tensor_model_parallel_size"], REFERENCE["pipeline_model_parallel_size"]
+    if cluster.num_gpus % (tp * pp) or cluster.gpus_per_node % tp:
+        return None
+    dp = cluster.num_gpus // (tp * pp)
+    if train.global_batch_size % dp:
+        return None
+    parallel = ParallelSpec(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                            sequence_parallel=True, use_distributed_optimizer=use_distributed_optimizer)
+    spec = TrainSpec(micro_batch_size=1, global_batch_size=train.global_batch_size, seq_length=train.seq_length,
+                     recompute_granularity=Recompute.none, precision=train.precision)
+    return Candidate(parallel=parallel, train=spec, schedule="1f1b")
+
+
+def _reference(evaluator: Evaluator, train: TrainSpec, use_distributed_optimizer: bool) -> Plan | None:
+    cand = reference_candidate(cluster=evaluator.cluster, train=train,
+                               use_distributed_optimizer=use_distributed_optimizer)
+    if cand is None or evaluator.model.num_layers < REFERENCE["pipeline_model_parallel_size"]:
+        return None
+    choices = placements(evaluator.cluster, cand.parallel)
+    return _try(evaluator, cand, method="optimal", gpus=choices[0] if choices else None) if choices else None
+
+
+def _no_plan_message(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, pruned: Counter,
+                     memory_floor: float) -> str:
+    reasons = ", ".join(f"{reason}={count}" for reason, count in sorted(pruned.items())) or "none enumerated"
+    hint = "use more GPUs, recompute_granularity=full, or a smaller micro_batch_size"
+    if memory_floor != float("inf"):
+        hint = f"the closest plan is {memory_floor:.1f} GiB over; " + hint
+    return (f"no feasible plan for model={model.name} on {cluster.num_gpus} GPUs of "
+            f"{cluster.gpu.memory_gib:g} GiB with global_batch_size={train.global_batch_size} "
+            f"(pruned: {reasons}); {hint}")
+
