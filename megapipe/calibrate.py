@@ -7,8 +7,9 @@ than datasheet figures: ``matmul_efficiency`` (achieved share of peak on large G
 ``bandwidth_efficiency`` (achieved share of HBM bandwidth). :func:`fit_gpu` chooses
 them to minimise the squared log-ratio of predicted to measured time over every
 measured unit (log residuals weigh a 0.1 ms layer like a 100 ms one), by
-Levenberg-Marquardt on the logarithms of the fields (Marquardt 1963; Nocedal & Wright,
-*Numerical Optimization*, sec. 10.3), so the fields stay positive. The predictor is a
+Levenberg-Marquardt (Marquardt 1963; Nocedal & Wright, *Numerical Optimization*,
+sec. 10.3) in free coordinates: the logit of each efficiency, so it stays in (0, 1),
+and the logarithm of ``matmul_half_flops``, so it stays positive. The predictor is a
 black box, so the fit follows whatever form the cost model takes.
 
 Pure: no torch, no I/O. The CLI (``megapipe calibrate``) reads profiles and writes the
@@ -154,12 +155,26 @@ def time_errors(*, samples: Sequence[Sample], gpu: GpuSpec, predict: Predictor |
     )
 
 
-def _with_log_fields(gpu: GpuSpec, fields: Sequence[str], theta: np.ndarray) -> GpuSpec:
-    return dataclasses.replace(gpu, **{name: float(math.exp(value)) for name, value in zip(fields, theta)})
+def _to_free(name: str, value: float) -> float:
+    """Unconstrained coordinate: logit for efficiencies (kept in (0, 1)), log for matmul_half_flops."""
+    if name == "matmul_half_flops":
+        return math.log(value)
+    value = min(max(value, 1e-9), 1 - 1e-9)
+    return math.log(value / (1 - value))
+
+
+def _from_free(name: str, theta: float) -> float:
+    if name == "matmul_half_flops":
+        return math.exp(theta)
+    return 1.0 / (1.0 + math.exp(-theta))
+
+
+def _with_free(gpu: GpuSpec, fields: Sequence[str], theta: np.ndarray) -> GpuSpec:
+    return dataclasses.replace(gpu, **{name: _from_free(name, float(value)) for name, value in zip(fields, theta)})
 
 
 def _jacobian(residual: Callable[[np.ndarray], np.ndarray], theta: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """Central differences in log space (step 1e-5: relative steps of 0.001 %)."""
+    """Central differences in the free coordinates (step 1e-5)."""
     columns = []
     for index in range(theta.size):
         step = np.zeros_like(theta)
@@ -168,23 +183,47 @@ def _jacobian(residual: Callable[[np.ndarray], np.ndarray], theta: np.ndarray, b
     return np.stack(columns, axis=1) if columns else np.zeros((base.size, 0))
 
 
+_RCOND = 1e-3
+"""Singular values below this share of the largest mark parameter combinations the data cannot fix."""
+
+
+def _kept_directions(jacobian: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    u, singular, vt = np.linalg.svd(jacobian, full_matrices=False)
+    keep = singular > _RCOND * (singular[0] if singular.size else 0.0)
+    return u[:, keep], singular[keep], vt[keep]
+
+
 def _levenberg_marquardt(residual, theta: np.ndarray, *, max_iter: int) -> tuple[np.ndarray, int]:
+    """LM in the SVD basis of the Jacobian, truncated to well-determined directions.
+
+    The truncation keeps a degenerate fit (e.g. only tiny GEMMs, where time depends on
+    matmul_half_flops / matmul_efficiency alone) from drifting along the undetermined
+    direction: those combinations stay at their prior values.
+    """
     damping, current = 1e-3, residual(theta)
     for iteration in range(1, max_iter + 1):
-        jacobian = _jacobian(residual, theta, current)
-        normal = jacobian.T @ jacobian
-        gradient = jacobian.T @ current
-        improved = False
+        u, singular, vt = _kept_directions(_jacobian(residual, theta, current))
+        projected = u.T @ current
+        improved, step = False, np.zeros_like(theta)
         while damping < 1e12:
-            step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -gradient)
+            step = -vt.T @ (singular * projected / (singular**2 + damping * singular[0] ** 2))
             candidate = residual(theta + step)
             if candidate @ candidate < current @ current:
-                theta, current, damping, improved = theta + step, candidate, max(damping / 10, 1e-12), True
+                theta, current, damping, improved = theta + step, candidate, max(damping / 10, 1e-15), True
                 break
             damping *= 10
-        if not improved or np.max(np.abs(step)) < 1e-12:
+        if not improved or np.max(np.abs(step), initial=0.0) < 1e-12:
             return theta, iteration
     return theta, max_iter
+
+
+def _identified(jacobian: np.ndarray, fields: Sequence[str]) -> list[str]:
+    """Fields mostly inside the well-determined directions of the Jacobian."""
+    if jacobian.size == 0:
+        return []
+    _, _, vt = _kept_directions(jacobian)
+    share = np.sum(vt**2, axis=0)
+    return [name for name, weight in zip(fields, share) if weight > 0.5]
 
 
 def fit_gpu(
@@ -197,8 +236,10 @@ def fit_gpu(
 ) -> Calibration:
     """Least squares on log time over the given GpuSpec fields, starting from ``gpu``'s values.
 
-    A field whose change moves no prediction (e.g. bandwidth_efficiency when every
-    unit is compute-bound in the cost model) is reported as not identified and kept.
+    Combinations of fields that the measurements do not determine (e.g. bandwidth_efficiency
+    when the predictor ignores bandwidth, or matmul_efficiency apart from matmul_half_flops
+    when every GEMM is tiny) keep their prior values and those fields are reported as not
+    identified.
     """
     predict = predict or _default_predictor
     unknown = [name for name in fields if name not in FIELDS]
@@ -209,17 +250,16 @@ def fit_gpu(
     before = _log_residuals(samples, gpu, predict)
     if before.size == 0:
         raise ProfileError("the profiles hold no positive fwd_ms/bwd_ms to fit; re-profile")
-    theta0 = np.log([getattr(gpu, name) for name in fields])
-    jacobian = _jacobian(lambda t: _log_residuals(samples, _with_log_fields(gpu, fields, t), predict), theta0, before)
-    identified = [name for name, column in zip(fields, jacobian.T) if np.linalg.norm(column) > 1e-9]
-    theta = np.log([getattr(gpu, name) for name in identified])
+    moving = list(fields)
 
     def residual(values: np.ndarray) -> np.ndarray:
-        return _log_residuals(samples, _with_log_fields(gpu, identified, values), predict)
+        return _log_residuals(samples, _with_free(gpu, moving, values), predict)
 
-    theta, iterations = _levenberg_marquardt(residual, theta, max_iter=max_iter)
-    fitted = _with_log_fields(gpu, identified, theta)
+    theta, iterations = _levenberg_marquardt(residual, np.array([_to_free(name, getattr(gpu, name)) for name in moving]),
+                                             max_iter=max_iter)
+    fitted = _with_free(gpu, moving, theta)
     after = residual(theta)
+    identified = _identified(_jacobian(residual, theta, after), moving)
     return Calibration(
         gpu=fitted,
         identified=tuple(identified),

@@ -97,5 +97,6 @@ def _print(result: dict, *, directory: str) -> None:
             f"{fold['mean_abs_rel_error_after']:.1%}"
         )
     name = os.path.splitext(os.path.basename(result["overlay"]))[0]
-    console.print(f"use: hydra.searchpath=[file://{os.path.abspath(directory)}] +calibration={name}")
-    console.print("or:  " + " ".join(result["overrides"]))
+    console.print(f"use: hydra.searchpath=[file://{os.path.abspath(directory)}] +calibration={name}",
+                  markup=False, soft_wrap=True)
+    console.print("or:  " + " ".join(result["overrides"]), markup=False, soft_wrap=True)

@@ -27,6 +27,7 @@ import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from megapipe.cost.params import bytes_per_parameter
 from megapipe.errors import ConfigError
 from megapipe.profile.format import Profile
 from megapipe.profile.timing import Unit, UnitResult, measure_unit, spread
@@ -97,7 +98,7 @@ def measure_profile(
             num_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
-    layers = _layer_costs(results, model=model, parallel=parallel)
+    layers = _layer_costs(results, model=model, parallel=parallel, dtype_name=dtype_name)
     meta = _meta(results, model=model, train=train, parallel=parallel, options=options,
                  device=device, dtype_name=dtype_name)
     if device == "cpu":
@@ -332,17 +333,10 @@ def _median(values: tuple[float, ...]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
-def _static_bytes_per_param(parallel: ParallelSpec) -> float:
-    """Mixed-precision Adam: bf16 weights (2) + fp32 gradients (4) + fp32 master, m, v (12) = 18 B/param;
-    the distributed optimizer shards the 12 optimizer bytes over data-parallel ranks
-    (Rajbhandari et al. 2020, ZeRO stage 1; Megatron's --use-distributed-optimizer)."""
-    if parallel.use_distributed_optimizer:
-        return 6.0 + 12.0 / parallel.data_parallel_size
-    return 18.0
-
-
-def _layer_costs(results: dict[str, UnitResult], *, model: ModelSpec, parallel: ParallelSpec) -> tuple:
-    per_param = _static_bytes_per_param(parallel)
+def _layer_costs(results: dict[str, UnitResult], *, model: ModelSpec, parallel: ParallelSpec,
+                 dtype_name: str) -> tuple:
+    # The cost model's per-parameter accounting (mixed-precision Adam, distributed optimizer shards).
+    per_param = bytes_per_parameter(precision=dtype_name, parallel=parallel)
 
     def cost(name: str, kind: LayerKind, result: UnitResult) -> LayerCost:
         bwd_ms = _median(result.bwd_ms)
