@@ -36,7 +36,7 @@ _MAX_PRECHECK = 64
 
 
 def _fail(command: str, message: str) -> int:
-    first = " ".join(str(message).strip().split("\n")[0].split())
+    first = " ".join(str(message).strip().split())
     print(f"megapipe {command}: error: {first}", file=sys.stderr)
     return 2
 
@@ -88,11 +88,17 @@ def _precheck(overrides: list[str], multirun: bool) -> None:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    if "Could not override" in text or "Key '" in text or "Could not find" in text:
-        lines = [line for line in text.splitlines() if line.strip()]
-        text = " ".join(lines[:2])
-    return text
+    """Hydra's multi-line composition errors, folded into one line (option lists comma-separated)."""
+    lines = [line.strip() for line in (str(exc) or type(exc).__name__).splitlines() if line.strip()]
+    folded = lines[0] if lines else type(exc).__name__
+    for line in lines[1:]:
+        if line.startswith(("Config search path", "full_key", "object_type")):
+            break
+        folded += (" " if folded.endswith((":", ".")) else ", ") + line
+    cause = exc.__cause__
+    if cause is not None and str(cause).strip():
+        folded += ": " + str(cause).strip().splitlines()[0]
+    return folded
 
 
 def _task(command: str, module, multirun: bool):

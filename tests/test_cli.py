@@ -1,0 +1,76 @@
+"""The CLI end to end, as a user runs it: subprocesses, exit codes, one-line errors, JSON output."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megapipe.config import compose, to_setup
+from megapipe.emit import emit
+from megapipe.partition import solve
+from megapipe.stages import stage_specs
+
+
+def megapipe(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "megapipe.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["partition", "model=llama9"], "model/llama9"),
+        (["partition", "model.num_layerz=3"], "num_layerz"),
+        (["partition", "train.recompute_granularity=sometimes"], "expected one of"),
+        (["partition", "parallel.pipeline_model_parallel_size=2"], "over by"),
+        (["partition", "cluster.gpu.memory_gib=0"], "memory_gib=0"),
+        (["partition", "parallel.tensor_model_parallel_size=3"], "not divisible"),
+        (["frobnicate"], "unknown command"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, fragment):
+    out = megapipe(*args, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr
+    assert fragment in lines[0]
+
+
+def test_corrupt_profile_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("format: megapipe-profile/9\nlayers: []\n")
+    out = megapipe("partition", f"profile={bad}", cwd=tmp_path)
+    assert out.returncode == 2 and "megapipe-profile/9" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_partition_json_matches_the_library(tmp_path):
+    overrides = ["model=llama3_70b", "cluster=h100_80gb", "parallel.pipeline_model_parallel_size=8"]
+    out = megapipe("partition", *overrides, "output.format=json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    setup = to_setup(compose(overrides))
+    from megapipe.commands.partition import setup_profile
+
+    part = solve(setup_profile(setup), list(stage_specs(setup.cluster, pipeline_model_parallel_size=8)),
+                 num_microbatches=setup.num_microbatches, schedule="1f1b")
+    assert result["layers_per_stage"] == list(part.layers_per_stage)
+    assert result["layout"] == part.layout == emit(partition=part, parallel=setup.parallel, train=setup.train).layout
+    assert result["bottleneck_ms"] == pytest.approx(part.bottleneck_ms)
+    assert sum(result["decoder_layers_per_stage"]) == 80
+    assert "--pipeline-model-parallel-layout" in result["megatron_args"]
+    assert any(o.startswith("model.pipeline_model_parallel_layout='") for o in result["bridge_overrides"])
+    assert result["equal"]["bottleneck_ms"] >= result["bottleneck_ms"]
+    assert result["predicted_gain"] >= 0
+
+
+def test_partition_table(tmp_path):
+    out = megapipe("partition", "parallel.pipeline_model_parallel_size=8", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "layout:" in out.stdout and "headroom" in out.stdout and "equal split" in out.stdout
+
+
+def test_help(tmp_path):
+    out = megapipe("--help", cwd=tmp_path)
+    assert out.returncode == 0 and "megapipe plan" in out.stdout
