@@ -1,0 +1,367 @@
+"""Partition solver: exactness against brute force, baselines against Megatron / DeepSpeed, errors."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import itertools
+import math
+import pathlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megapipe.errors import ConfigError, InfeasibleError
+from megapipe.layout import parse_layout
+from megapipe.partition import (
+    StageSpec,
+    chunk_memory_caps,
+    equal_bounds,
+    evaluate,
+    in_flight_counts,
+    parameters_bounds,
+    solve,
+)
+from megapipe.partition.memory import stage_ranks
+from megapipe.profile import Profile
+from megapipe.records import LayerCost, LayerKind
+
+GIB = 2**30
+UNIT = 2**27  # byte counts are multiples of 128 MiB: integral, so every memory sum is exact
+
+
+def _layer(kind, fwd, bwd, static, act, params=0.0, name="x"):
+    return LayerCost(
+        name=name, kind=kind, fwd_ms=fwd, bwd_ms=bwd, wgrad_ms=bwd / 2,
+        static_bytes=static, act_bytes=act, param_count=params,
+    )  # fmt: skip
+
+
+def _brute(layers, scales, caps, in_flight, ranks=None, rank_caps=None):
+    """min over every composition of max stage time, with per-stage (and optionally per-rank) memory caps."""
+    num_stages, num_entries = len(scales), len(layers)
+    best, best_bounds = None, None
+    for cuts in itertools.combinations(range(1, num_entries), num_stages - 1):
+        bounds = (0, *cuts, num_entries)
+        chunks = [layers[bounds[c] : bounds[c + 1]] for c in range(num_stages)]
+        memory = [
+            math.fsum(e.static_bytes for e in chunk) + k * math.fsum(e.act_bytes for e in chunk)
+            for chunk, k in zip(chunks, in_flight)
+        ]
+        if any(used > cap for used, cap in zip(memory, caps)):
+            continue
+        if rank_caps is not None:
+            per_rank = [sum(used for used, r in zip(memory, ranks) if r == rank) for rank in range(len(rank_caps))]
+            if any(used > cap for used, cap in zip(per_rank, rank_caps)):
+                continue
+        worst = max(s * math.fsum(e.fwd_ms + e.bwd_ms for e in chunk) for s, chunk in zip(scales, chunks))
+        if best is None or worst < best:
+            best, best_bounds = worst, bounds
+    return best, best_bounds
+
+
+@st.composite
+def instances(draw, max_entries=9, max_stages=4, min_stages=1):
+    num_entries = draw(st.integers(1, max_entries))
+    times = st.one_of(st.integers(0, 6).map(float), st.floats(0.0, 10.0, allow_subnormal=False))
+    layers = []
+    for index in range(num_entries):
+        kind = LayerKind.decoder
+        if index == 0 and draw(st.booleans()):
+            kind = LayerKind.embedding
+        elif index == num_entries - 1 and index and draw(st.booleans()):
+            kind = LayerKind.loss
+        static = draw(st.integers(0, 8)) * UNIT
+        act = draw(st.integers(0, 4)) * UNIT
+        layers.append(_layer(kind, draw(times), draw(times), float(static), float(act), name=f"e{index}"))
+    num_stages = draw(st.integers(min_stages, max_stages))
+    scale = st.one_of(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]), st.floats(0.25, 4.0))
+    total = sum(e.static_bytes for e in layers) + 6 * sum(e.act_bytes for e in layers)
+    cap = st.one_of(st.integers(0, int(total // UNIT) + 1).map(lambda n: float(n * UNIT)), st.just(math.inf))
+    stages = [StageSpec(time_scale=draw(scale), memory_bytes=draw(cap)) for _ in range(num_stages)]
+    return layers, stages, draw(st.integers(1, 6)), draw(st.sampled_from(["1f1b", "gpipe"]))
+
+
+def _check_constraints(part, layers, stages, caps):
+    assert sum(part.layers_per_stage) == len(layers) and min(part.layers_per_stage) >= 1
+    flat = [kind for kinds in part.stage_kinds for kind in kinds]
+    assert flat == [e.kind for e in layers]
+    assert parse_layout(part.layout) == part.stage_kinds
+    if layers[0].kind == LayerKind.embedding:
+        assert part.stage_kinds[0][0] == LayerKind.embedding
+    start = 0
+    for chunk, count in enumerate(part.layers_per_stage):
+        entries = layers[start : start + count]
+        rank = part.stage_to_rank[chunk]
+        assert part.stage_time_ms[chunk] == stages[rank].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in entries)
+        expected = math.fsum(e.static_bytes for e in entries) + part.stage_in_flight[chunk] * math.fsum(
+            e.act_bytes for e in entries
+        )
+        assert part.stage_memory_bytes[chunk] == expected <= caps[chunk]
+        start += count
+    assert all(used <= stage.memory_bytes for used, stage in zip(part.rank_memory_bytes, stages))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_optimal_matches_brute_force(instance):
+    layers, stages, num_microbatches, schedule = instance
+    in_flight = in_flight_counts(
+        schedule=schedule, pipeline_model_parallel_size=len(stages), num_microbatches=num_microbatches
+    )
+    caps = [stage.memory_bytes for stage in stages]
+    best, _ = _brute(layers, [s.time_scale for s in stages], caps, in_flight)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve(Profile(layers=layers), stages, num_microbatches=num_microbatches, schedule=schedule)
+        return
+    part = solve(Profile(layers=layers), stages, num_microbatches=num_microbatches, schedule=schedule)
+    assert part.bottleneck_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
+    _check_constraints(part, layers, stages, caps)
+
+
+@settings(max_examples=100, deadline=None)
+@given(instances())
+def test_without_memory_check_matches_unconstrained_brute_force(instance):
+    layers, stages, num_microbatches, schedule = instance
+    free = [StageSpec(time_scale=s.time_scale) for s in stages]
+    best, _ = _brute(layers, [s.time_scale for s in stages], [math.inf] * len(stages), [1] * len(stages))
+    if best is None:  # fewer entries than stages
+        with pytest.raises(InfeasibleError, match="need at least one each"):
+            solve(layers, stages, num_microbatches=num_microbatches, check_memory=False)
+        return
+    part = solve(layers, stages, num_microbatches=num_microbatches, schedule=schedule, check_memory=False)
+    assert part.bottleneck_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert solve(layers, free, num_microbatches=num_microbatches).bottleneck_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    instances(max_entries=8, max_stages=2, min_stages=2),
+    st.sampled_from(["interleaved_1f1b", "zb_v"]),
+    st.sampled_from([2, 4, 6]),
+)
+def test_virtual_stages_exact_under_share_rule(instance, schedule, num_microbatches):
+    pytest.importorskip("megapipe.schedules")
+    layers, stages, _, _ = instance
+    pp, vp = len(stages), 2
+    in_flight = in_flight_counts(
+        schedule=schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+        virtual_pipeline_model_parallel_size=vp,
+    )  # fmt: skip
+    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+    caps = chunk_memory_caps(layers=layers, stages=stages, in_flight=in_flight, ranks=ranks)
+    scales = [stages[r].time_scale for r in ranks]
+    best, _ = _brute(layers, scales, caps, in_flight)
+    coupled, _ = _brute(layers, scales, [math.inf] * len(ranks), in_flight, ranks, [s.memory_bytes for s in stages])
+    call = dict(num_microbatches=num_microbatches, schedule=schedule, virtual_pipeline_model_parallel_size=vp)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve(layers, stages, **call)
+        return
+    part = solve(layers, stages, **call)
+    assert part.bottleneck_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert coupled is not None and part.bottleneck_ms >= coupled * (1 - 1e-12)
+    _check_constraints(part, layers, stages, caps)
+
+
+def test_share_rule_never_rejects_a_uniform_split_that_fits_the_rank():
+    pytest.importorskip("megapipe.schedules")
+    layers = [_layer(LayerKind.decoder, 1.0, 2.0, 2.0 * UNIT, 1.0 * UNIT) for _ in range(8)]
+    in_flight = in_flight_counts(
+        schedule="interleaved_1f1b", pipeline_model_parallel_size=2, num_microbatches=4,
+        virtual_pipeline_model_parallel_size=2,
+    )  # fmt: skip
+    per_rank = [sum(2 * (2 * UNIT + k * UNIT) for k in in_flight[rank::2]) for rank in range(2)]
+    stages = [StageSpec(memory_bytes=float(cap)) for cap in per_rank]
+    part = solve(layers, stages, num_microbatches=4, schedule="interleaved_1f1b", virtual_pipeline_model_parallel_size=2)
+    assert part.layers_per_stage == (2, 2, 2, 2)
+    assert part.rank_memory_bytes == pytest.approx(per_rank)
+
+
+def test_heterogeneous_stages_get_work_in_proportion_to_speed():
+    layers = [_layer(LayerKind.decoder, 1.0, 2.0, 0.0, 0.0) for _ in range(12)]
+    part = solve(layers, [StageSpec(time_scale=1.0), StageSpec(time_scale=2.0)], num_microbatches=4)
+    assert part.layers_per_stage == (8, 4) and part.bottleneck_ms == 24.0
+
+
+def test_memory_cap_moves_layers_off_the_first_stage():
+    # 1F1B: stage j keeps 4 - j microbatches, so n layers need n * (5 - j) units; caps allow 3, 4, 5, 8.
+    layers = [_layer(LayerKind.decoder, 1.0, 2.0, UNIT, UNIT) for _ in range(16)]
+    free = solve(layers, [StageSpec()] * 4, num_microbatches=8)
+    capped = solve(layers, [StageSpec(memory_bytes=16.0 * UNIT)] * 4, num_microbatches=8)
+    assert free.layers_per_stage == (4, 4, 4, 4) and free.bottleneck_ms == 12.0
+    assert capped.layers_per_stage[0] <= 3 and capped.bottleneck_ms == 15.0  # 3 + 4 + 4 + 4 < 16 layers
+    assert _brute(layers, [1.0] * 4, [16.0 * UNIT] * 4, (4, 3, 2, 1))[0] == 15.0
+
+
+def test_closed_form_in_flight_matches_schedule_builder():
+    schedules = pytest.importorskip("megapipe.schedules")
+    for pp, m in [(1, 1), (2, 1), (4, 2), (4, 8), (8, 16)]:
+        for name in ("1f1b", "gpipe"):
+            built = schedules.peak_in_flight(name, pipeline_model_parallel_size=pp, num_microbatches=m)
+            ours = in_flight_counts(schedule=name, pipeline_model_parallel_size=pp, num_microbatches=m)
+            assert ours == built, (name, pp, m)
+
+
+def _megatron_profile(num_layers):
+    return (
+        [_layer(LayerKind.embedding, 1.0, 1.0, 0.0, 0.0)]
+        + [_layer(LayerKind.decoder, 1.0, 2.0, 0.0, 0.0) for _ in range(num_layers)]
+        + [_layer(LayerKind.loss, 1.0, 1.0, 0.0, 0.0)]
+    )
+
+
+def test_equal_matches_megatron_uniform_split():
+    pytest.importorskip("megatron.core")
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    for num_layers, pp, vp in [(8, 2, 1), (8, 2, 2), (12, 4, 1), (24, 4, 3), (6, 1, 1), (32, 8, 2)]:
+        config = TransformerConfig(
+            num_layers=num_layers, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp if vp > 1 else None, pipeline_dtype=torch.float32,
+        )  # fmt: skip
+        layers = _megatron_profile(num_layers)
+        part = solve(layers, [StageSpec()] * pp, num_microbatches=pp, method="equal", check_memory=False,
+                     schedule="interleaved_1f1b" if vp > 1 else "1f1b", virtual_pipeline_model_parallel_size=vp)
+        offset = 0
+        for chunk, kinds in enumerate(part.stage_kinds):
+            vp_stage, pp_rank = (chunk // pp, chunk % pp) if vp > 1 else (None, chunk)
+            assert kinds.count(LayerKind.decoder) == get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            assert offset == get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            offset += kinds.count(LayerKind.decoder)
+        assert part.stage_kinds[0][0] == LayerKind.embedding and part.stage_kinds[-1][-1] == LayerKind.loss
+
+
+def test_equal_remainder_goes_to_first_stages():
+    kinds = [e.kind for e in _megatron_profile(10)]
+    bounds = equal_bounds(kinds, num_stages=4)
+    counts = [kinds[bounds[c] : bounds[c + 1]].count(LayerKind.decoder) for c in range(4)]
+    assert counts == [3, 3, 2, 2]
+    mtp = kinds[:-1] + [LayerKind.mtp, LayerKind.loss]
+    assert equal_bounds(mtp, num_stages=2)[1] == 6  # E + 5 t | 5 t, m, L
+
+
+def _deepspeed_partition_balanced(weights, num_parts):
+    """DeepSpeed's recurrence written out with scalar loops, the way ds_utils.partition_balanced runs it."""
+    n, m = len(weights), num_parts
+    prefix = [0.0, *itertools.accumulate(float(w) for w in weights)]
+    inf = math.inf
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    dp_max[0][0] = dp_cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                high, low = max(dp_max[k][j - 1], part), min(dp_min[k][j - 1], part)
+                if dp_cost[i][j] >= high - low:
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j], position[i][j] = high - low, high, low, k
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(position[parts[-1]][j])
+    return tuple(reversed(parts))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 5), st.integers(0, 10**6)), min_size=1, max_size=12), st.integers(1, 5))
+def test_parameters_follows_deepspeed_recurrence(weights, num_parts):
+    if len(weights) < num_parts:
+        with pytest.raises(InfeasibleError, match="cannot fill"):
+            parameters_bounds(weights, num_stages=num_parts)
+        return
+    expected = tuple(range(num_parts + 1)) if len(weights) == num_parts else _deepspeed_partition_balanced(weights, num_parts)
+    assert parameters_bounds(weights, num_stages=num_parts) == expected
+
+
+def test_parameters_examples():
+    # DeepSpeed minimises the spread (max - min), not the max: [5,1|1,5] has spread 0.
+    assert parameters_bounds([5, 1, 1, 5], num_stages=2) == (0, 2, 4)
+    # Spread 1 for [4|1,1,1|1,1] is minimal; ties go to the latest cut.
+    assert parameters_bounds([4, 1, 1, 1, 1, 1], num_stages=3) == (0, 1, 4, 6)
+    layers = [_layer(LayerKind.decoder, 1.0, 1.0, 0.0, 0.0, params=p) for p in (5, 1, 1, 5)]
+    part = solve(layers, [StageSpec()] * 2, num_microbatches=2, method="parameters")
+    assert part.layers_per_stage == (2, 2) and part.method == "parameters"
+
+
+def _installed_deepspeed_functions():
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        return None
+    source = (pathlib.Path(spec.origin).parent / "runtime" / "utils.py").read_text()
+    wanted = {"partition_uniform", "partition_balanced"}
+    body = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name in wanted]
+    namespace: dict = {}
+    exec(compile(ast.Module(body=body, type_ignores=[]), "deepspeed.runtime.utils", "exec"), namespace)
+    return namespace
+
+
+def test_parameters_matches_installed_deepspeed():
+    functions = _installed_deepspeed_functions()
+    if functions is None:
+        pytest.skip("deepspeed is not installed")
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        num_parts = int(rng.integers(1, 6))
+        weights = rng.integers(0, 50, size=int(rng.integers(num_parts, 12))).tolist()
+        assert parameters_bounds(weights, num_stages=num_parts) == tuple(
+            functions["partition_balanced"](weights, num_parts)
+        )
+
+
+def test_baseline_over_memory_is_flagged_or_raised():
+    # 1F1B on 2 stages: a layer costs 4 + 2 * 1 = 6 GiB on stage 0 and 5 GiB on stage 1.
+    layers = [_layer(LayerKind.decoder, 1.0, 2.0, 4.0 * GIB, 1.0 * GIB) for _ in range(9)]
+    stages = [StageSpec(memory_bytes=25.0 * GIB)] * 2
+    flagged = solve(layers, stages, num_microbatches=4, method="equal", check_memory=False)
+    assert flagged.layers_per_stage == (5, 4) and not flagged.fits_memory
+    assert flagged.rank_memory_bytes == (30.0 * GIB, 20.0 * GIB)
+    with pytest.raises(InfeasibleError, match=r"^equal split: stage 0 needs at least 30\.0 GiB but has 25\.0 GiB "):
+        solve(layers, stages, num_microbatches=4, method="equal")
+    fitted = solve(layers, stages, num_microbatches=4)
+    assert fitted.fits_memory and fitted.layers_per_stage == (4, 5)
+
+
+def test_infeasible_memory_names_tightest_stage():
+    layers = [_layer(LayerKind.embedding, 1.0, 1.0, 40.0 * GIB, 1.0 * GIB)]
+    layers += [_layer(LayerKind.decoder, 1.0, 2.0, 10.0 * GIB, 2.0 * GIB) for _ in range(6)]
+    stages = [StageSpec(memory_bytes=72.0 * GIB)] * 2
+    # Stage 0 holds 2 microbatches: E alone needs 42 GiB, E + t needs 56, E + 2t needs 70, E + 3t needs 84.
+    # Stage 1 holds 1: 4t = 48, 3t = 36. Best split E+2t | 4t fits, so shrink memory until it does not.
+    assert solve(layers, stages, num_microbatches=4).layers_per_stage == (3, 4)
+    tight = [StageSpec(memory_bytes=45.0 * GIB)] * 2
+    # Smallest worst overage: E+t | 5t -> 56 - 45 = 11 and 60 - 45 = 15; E+2t | 4t -> 25 and 3; E | 6t -> 72 - 45 = 27.
+    with pytest.raises(InfeasibleError, match=r"^stage 1 needs at least 60\.0 GiB but has 45\.0 GiB \(over by 15\.0 GiB\): add pipeline stages, recompute, or a smaller micro-batch$"):
+        solve(layers, tight, num_microbatches=4)
+
+
+def test_bad_arguments():
+    layers = [_layer(LayerKind.decoder, 1.0, 1.0, 0.0, 0.0) for _ in range(3)]
+    with pytest.raises(InfeasibleError, match="3 entries but 2 pipeline ranks x 2 virtual stages"):
+        solve(layers, [StageSpec()] * 2, num_microbatches=2, schedule="interleaved_1f1b", virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="method='fastest'"):
+        solve(layers, [StageSpec()], num_microbatches=1, method="fastest")
+    with pytest.raises(ConfigError, match=r"stages\[1\]\.time_scale=0\.0"):
+        solve(layers, [StageSpec(), StageSpec(time_scale=0.0)], num_microbatches=1)
+    with pytest.raises(ConfigError, match="num_microbatches=0"):
+        solve(layers, [StageSpec()], num_microbatches=0)
+    with pytest.raises(ConfigError, match="stages is empty"):
+        solve(layers, [], num_microbatches=1)
+    with pytest.raises(InfeasibleError, match="equal split: num_layers=3 decoder layers cannot fill 4 stages"):
+        equal_bounds([e.kind for e in layers], num_stages=4)
+
+
+def test_evaluate_reports_a_given_split():
+    layers = _megatron_profile(6)
+    stages = [StageSpec(memory_bytes=1.0)] * 2
+    part = evaluate(layers, stages, layers_per_stage=(4, 4), num_microbatches=4)
+    assert part.layout == "Et*3|t*3L" and part.stage_time_ms == (11.0, 11.0) and part.method == "given"
+    with pytest.raises(ConfigError, match="must sum to the profile's 8 entries"):
+        evaluate(layers, stages, layers_per_stage=(4, 3), num_microbatches=4)
