@@ -265,3 +265,32 @@ def test_writeup_numbers_need_different_microbatch_counts():
     assert matching_microbatches(28.6, schedule="gpipe", pipeline_model_parallel_size=8, ideal=True) == ()
     zb1 = matching_microbatches(3.5, schedule="zb_h1", pipeline_model_parallel_size=8)
     assert zb1 and 49 not in zb1
+
+
+def test_trace_is_perfetto_json_and_deterministic(tmp_path):
+    import json
+
+    from megapipe.report.trace import trace_json, write_trace
+
+    schedule = _build("zb_h1", 3, 4)
+    result = simulate(schedule, StageTimes.uniform(3, fwd_ms=1.0, input_grad_ms=1.0, wgrad_ms=0.5))
+    document = json.loads(trace_json(result))
+    ops = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    assert len(ops) == schedule.num_ops
+    first = next(e for e in ops if e["name"] == "2F0")
+    assert first["tid"] == 2 and first["ts"] == 2000.0 and first["dur"] == 1000.0
+    assert {e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"} == {
+        "rank 0", "rank 1", "rank 2"}
+    path_a, path_b = write_trace(result, tmp_path / "a.json"), write_trace(result, tmp_path / "b.json")
+    assert open(path_a, "rb").read() == open(path_b, "rb").read()
+
+
+def test_gantt_png_is_written_and_deterministic(tmp_path):
+    from megapipe.report.gantt import gantt_png
+
+    result = simulate(_build("1f1b", 4, 6), StageTimes.uniform(4, fwd_ms=1.0, input_grad_ms=2.0))
+    first = gantt_png(result, str(tmp_path / "a.png"))
+    second = gantt_png(result, str(tmp_path / "b.png"))
+    data = open(first, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert data == open(second, "rb").read()
