@@ -1,4 +1,4 @@
-"""Test helper: spawn gloo ranks and build real megatron-core GPTModel chunks on CPU.
+"""Test helper: spawn gloo ranks, build real megatron-core GPTModel chunks on CPU, run its schedule.
 
 Every rank runs ``fn(rank, world_size, *args)`` after joining a gloo process group
 (MASTER_ADDR=127.0.0.1, a free port, one thread per rank: two cores thrash
@@ -31,6 +31,7 @@ __all__ = [
     "free_port",
     "init_parallel",
     "route_cuda_buffers_to_cpu",
+    "run_schedule",
     "spawn_ranks",
 ]
 
@@ -168,3 +169,61 @@ def describe_chunks(chunks: list) -> dict:
             for chunk in chunks
         ],
     }
+
+
+def _cpu_factory_mode():
+    """A TorchFunctionMode that turns ``device="cuda"`` factory kwargs into cpu (schedules.py allocates on cuda)."""
+    from torch.overrides import TorchFunctionMode
+
+    class CpuFactories(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if "cuda" in str(kwargs.get("device", "")):
+                kwargs["device"] = "cpu"
+            return func(*args, **kwargs)
+
+    return CpuFactories()
+
+
+def _token_batches(micro_batch_size: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randint(VOCAB_SIZE, (micro_batch_size, SEQ_LENGTH + 1), generator=generator)
+
+
+def _forward_step(data_iterator, model):
+    import torch
+
+    tokens = next(data_iterator)
+    position_ids = torch.arange(SEQ_LENGTH).expand(tokens.shape[0], -1)
+    mask = torch.ones(1, 1, SEQ_LENGTH, SEQ_LENGTH).triu(1).bool()
+    output = model(tokens[:, :-1], position_ids, mask, labels=tokens[:, 1:])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    return output, loss_func
+
+
+def run_schedule(chunks: list, *, num_microbatches: int, micro_batch_size: int = 2) -> list[float]:
+    """One training step's forward/backward through megatron-core's own pipeline schedule.
+
+    ``get_forward_backward_func()`` picks 1F1B or interleaved 1F1B from parallel_state.
+    Returns the last stage's per-microbatch losses (already divided by
+    num_microbatches, as Megatron reports them); other ranks return [].
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    route_cuda_buffers_to_cpu()
+    for chunk in chunks:
+        chunk.config.batch_p2p_sync = False
+    with _cpu_factory_mode():
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=[_token_batches(micro_batch_size) for _ in chunks],
+            model=chunks, num_microbatches=num_microbatches, seq_length=SEQ_LENGTH,
+            micro_batch_size=micro_batch_size, forward_only=False,
+        )  # fmt: skip
+    return [float(item["loss"]) for item in losses]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from _mcore_build import SEQ_LENGTH, VOCAB_SIZE, build_gpt_chunks, describe_chunks, destroy_parallel, init_parallel
-from _mcore_build import route_cuda_buffers_to_cpu, spawn_ranks
+from _mcore_build import build_gpt_chunks, describe_chunks, destroy_parallel, init_parallel
+from _mcore_build import run_schedule, spawn_ranks
 from megapipe.emit import decoder_offsets, emit, rank_of_stage
 from megapipe.layout import format_layout, parse_layout
 from megapipe.records import LayerKind, ParallelSpec, Partition, TrainSpec
@@ -14,6 +14,7 @@ pytestmark = pytest.mark.engine
 
 WORLD_SIZE = 2
 NUM_LAYERS = 8
+NUM_MICROBATCHES = 4
 
 
 def emitted_layout(layout: str, *, pp: int, vp: int = 1) -> str:
@@ -56,62 +57,25 @@ SCENARIOS = {
 
 
 def _build_all(rank, world_size):
-    route_cuda_buffers_to_cpu()
     reports = {}
     for name, (layout, pp, vp) in SCENARIOS.items():
         init_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
         chunks = build_gpt_chunks(layout=layout, num_layers=NUM_LAYERS)
         reports[name] = describe_chunks(chunks)
         if layout == LONE_ENDS:
-            reports["step"] = _pipeline_step(chunks, pp=pp)
+            reports["step"] = _schedule_step(chunks)
         destroy_parallel()
     return reports
 
 
-def _inputs():
-    import torch
-
-    tokens = torch.randint(VOCAB_SIZE, (2, SEQ_LENGTH + 1), generator=torch.Generator().manual_seed(0))
-    position_ids = torch.arange(SEQ_LENGTH).expand(2, -1)
-    mask = torch.ones(1, 1, SEQ_LENGTH, SEQ_LENGTH).triu(1).bool()
-    return tokens[:, :-1], position_ids, mask, tokens[:, 1:]
-
-
-def _pipeline_step(chunks: list, *, pp: int) -> dict:
-    """One forward/backward through every layout stage in model order, plain gloo send/recv between ranks."""
-    import torch
-    import torch.distributed as dist
+def _schedule_step(chunks: list) -> dict:
+    """megatron-core's own schedule (interleaved 1F1B here) over lone E / lone L chunks."""
     from megatron.core import parallel_state
 
-    rank, num_stages = parallel_state.get_pipeline_model_parallel_rank(), pp * len(chunks)
-    input_ids, position_ids, mask, labels = _inputs()
-    inputs, outputs = {}, {}
-    for index in range(num_stages):
-        if index % pp != rank:
-            continue
-        chunk = chunks[index // pp]
-        if index > 0:
-            inputs[index] = torch.empty(SEQ_LENGTH, 2, chunk.config.hidden_size)
-            dist.recv(inputs[index], src=(index - 1) % pp)
-            chunk.set_input_tensor(inputs[index].requires_grad_(True))
-        outputs[index] = chunk(input_ids, position_ids, mask, labels=labels if index == num_stages - 1 else None)
-        if index < num_stages - 1:
-            dist.send(outputs[index].detach().contiguous(), dst=(index + 1) % pp)
-    loss = outputs[num_stages - 1].float().mean() if num_stages - 1 in outputs else None
-    for index in reversed(range(num_stages)):
-        if index % pp != rank:
-            continue
-        if index == num_stages - 1:
-            loss.backward()
-        else:
-            grad = torch.empty_like(outputs[index])
-            dist.recv(grad, src=(index + 1) % pp)
-            torch.autograd.backward(outputs[index], grad)
-        if index > 0:
-            dist.send(inputs[index].grad.contiguous(), dst=(index - 1) % pp)
+    losses = run_schedule(chunks, num_microbatches=NUM_MICROBATCHES)
     return {
-        "pp_rank": rank,
-        "loss": None if loss is None else float(loss),
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "losses": losses,
         "grads": {f"{i}.{name}": float(p.grad.abs().sum()) for i, chunk in enumerate(chunks)
                   for name, p in chunk.named_parameters() if p.grad is not None},
         "missing": [name for chunk in chunks for name, p in chunk.named_parameters() if p.grad is None],
@@ -133,10 +97,12 @@ def test_emitted_layouts_build_the_planned_layers(reports):
 
 
 def test_lone_embedding_and_loss_stages_train(reports):
-    """A stage holding only E, or only L (zero decoder layers), runs forward and backward."""
+    """Stages holding only E, or only L (zero decoder layers), run megatron-core's interleaved schedule."""
     steps = {step["pp_rank"]: step for step in (report["step"] for report in reports)}
-    assert all(not step["missing"] for step in steps.values())
-    assert abs(steps[1]["loss"] - 4.85) < 0.5  # ln(VOCAB_SIZE=128) = 4.85 at initialisation
-    assert steps[0]["grads"]["0.embedding.word_embeddings.weight"] > 0  # lone E chunk gets its gradient
-    assert steps[1]["grads"]["1.output_layer.weight"] > 0  # lone L chunk trains its output layer
+    assert all(not step["missing"] for step in steps.values())  # every parameter received a gradient
+    assert len(steps[1]["losses"]) == NUM_MICROBATCHES
+    for loss in steps[1]["losses"]:  # ln(VOCAB_SIZE=128) = 4.85 at initialisation, divided by num_microbatches
+        assert abs(loss * NUM_MICROBATCHES - 4.85) < 0.5
+    assert steps[0]["grads"]["0.embedding.word_embeddings.weight"] > 0  # lone E chunk
+    assert steps[1]["grads"]["1.output_layer.weight"] > 0  # lone L chunk
     assert steps[1]["grads"]["1.decoder.final_layernorm.weight"] > 0
