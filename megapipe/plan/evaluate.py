@@ -106,24 +106,72 @@ class Evaluator:
 
     # -- bounds ----------------------------------------------------------------------
     def bound(self, cand: Candidate, *, min_time_scale: float = 1.0) -> Bound:
-        """Closed-form lower bounds (see module docstring of megapipe.plan.search for their use).
+        """Closed-form lower bounds, valid for every partition of the candidate.
 
-        Pipeline: every rank runs m microbatches of its share, so the busiest rank needs at least
-        m * T / p (T = forward + backward of all layers). Flush schedules that keep the backward
-        fused (GPipe, 1F1B) add the fill and drain: (m - 1) max t_i + sum t_i >= (m + p - 1) T / p;
-        interleaving with v chunks divides that fill by v (Narayanan et al. 2021).
-        Optimizer: the mean rank's share of parameters bounds the slowest rank's update.
+        Pipeline: every rank runs m microbatches of its share, so the busiest rank needs at
+        least m * T / p (T = forward + backward of all layers). Flush schedules add their fill
+        and drain at the balanced optimum: GPipe/1F1B (m - 1) max t_i + sum t_i >= (m + p - 1) T / p;
+        interleaving divides the fill by v (Narayanan et al. 2021); ZB-H1 idles (p - 1)(F + B - W)
+        per rank (Qi et al. 2024, B = input-gradient part). ZB-H2 and the V-shaped schedules get
+        no fill term (with few microbatches their flushed bubble falls below the paper's
+        steady-state form, so it would not be a bound). tests/test_plan_search.py checks
+        bound <= exact over whole search spaces. DP sync: the exposed time max(0, comm_r - backward_r) is
+        convex in the rank's (parameters, backward), so its maximum over ranks is at least its
+        value at the mean rank (Jensen); the optimizer step is linear in parameters, likewise.
+        Memory: see :meth:`memory_bound`.
         """
         totals = self.totals(cand)
-        pp = cand.parallel.pipeline_model_parallel_size
-        vp = cand.parallel.virtual_pipeline_model_parallel_size
-        m = cand.num_microbatches
-        per_rank = (totals.fwd_ms + totals.bwd_ms) / pp * min_time_scale
-        fill = {"gpipe": pp - 1, "1f1b": pp - 1, "interleaved_1f1b": (pp - 1) / vp}.get(cand.schedule, 0.0)
-        optimizer = optimizer_step_ms(params_per_gpu=totals.param_count / pp, gpu=self.cluster.gpu,
-                                      parallel=cand.parallel, precision=cand.train.precision)
-        return Bound(step_ms=(m + fill) * per_rank + optimizer,
-                     memory_bytes=(totals.static_bytes + totals.act_bytes) / pp)
+        par = cand.parallel
+        pp, vp, m = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size, cand.num_microbatches
+        scale = min_time_scale / pp
+        fwd, bwd, wgrad = totals.fwd_ms * scale, totals.bwd_ms * scale, totals.wgrad_ms * scale
+        fill = {
+            "gpipe": (pp - 1) * (fwd + bwd), "1f1b": (pp - 1) * (fwd + bwd),
+            "interleaved_1f1b": (pp - 1) * (fwd + bwd) / vp,
+            "zb_h1": (pp - 1) * max(0.0, fwd + bwd - 2 * wgrad),
+        }.get(cand.schedule, 0.0)
+        params = totals.param_count / pp
+        optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par,
+                                      precision=cand.train.precision)
+        sync = dp_sync_ms(params_per_gpu=params, precision=cand.train.precision, cluster=self.cluster, parallel=par,
+                          backward_ms=bwd / min_time_scale * max(min_time_scale, 1.0),
+                          forward_ms=fwd / min_time_scale * max(min_time_scale, 1.0))
+        return Bound(step_ms=m * (fwd + bwd) + fill + optimizer + sync, memory_bytes=self.memory_bound(cand))
+
+    def memory_bound(self, cand: Candidate) -> float:
+        """A lower bound on the fullest rank's bytes, over every split (water-filling).
+
+        Rank r keeps at least k_r microbatches of each layer it holds (closed forms below), so
+        n_r identical decoder layers cost n_r (c + k_r a); the embedding is pinned to the first
+        layout stage and the loss to the last, each with its own k. The smallest M with
+        sum_r max(0, (M - pinned_r) / (c + k_r a)) >= N is what a fluid split needs; no integer
+        split needs less.
+
+        In-flight lower bounds without building the schedule: 1F1B keeps min(p - s, m) on stage
+        s and GPipe m (Narayanan et al. 2021); ZB-H1/H2 release at W, after 1F1B's B, so they
+        hold at least as many; interleaved and V-shaped schedules are bounded by 1.
+        """
+        par = cand.parallel
+        pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
+        least = _least_in_flight(cand.schedule, pp, m)
+        layers = self.profile(cand).layers
+        decoder = next((layer for layer in layers if layer.kind == LayerKind.decoder), None)
+        if decoder is None:
+            totals = self.totals(cand)
+            return (totals.static_bytes + totals.act_bytes) / pp
+        pinned = [0.0] * pp
+        last_rank = 0 if cand.schedule in _V_SHAPED else pp - 1
+        for layer, rank in ((layers[0], 0), (layers[-1], last_rank)):
+            if layer.kind != LayerKind.decoder:
+                pinned[rank] += layer.static_bytes + least[rank] * layer.act_bytes
+        per_layer = [decoder.static_bytes + k * decoder.act_bytes for k in least]
+        return _water_level(pinned, per_layer, self.model.num_layers)
+
+    def _decoder(self, cand: Candidate):
+        for layer in self.profile(cand).layers:
+            if layer.kind == LayerKind.decoder:
+                return layer
+        return None
 
     # -- exact -----------------------------------------------------------------------
     def schedule(self, cand: Candidate):
@@ -257,6 +305,36 @@ def _metrics(ev: Evaluator, cand: Candidate, part: Partition, sim, usages, specs
         stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
         partition=part,
     )
+
+
+_V_SHAPED = ("zb_v", "dualpipe_v")
+
+
+def _least_in_flight(schedule: str, pp: int, m: int) -> tuple[int, ...]:
+    if schedule == "gpipe":
+        return (m,) * pp
+    if schedule in ("1f1b", "zb_h1", "zb_h2"):
+        return tuple(min(pp - rank, m) for rank in range(pp))
+    return (1,) * pp
+
+
+def _water_level(pinned: list[float], per_layer: list[float], num_layers: int) -> float:
+    """Smallest M with sum_r max(0, (M - pinned_r) / per_layer_r) >= num_layers.
+
+    Ranks join in increasing ``pinned`` order; with active set A the level is
+    (N + sum_A pinned/cost) / sum_A 1/cost, valid once it does not exceed the next pinned value.
+    """
+    order = sorted(range(len(pinned)), key=pinned.__getitem__)
+    weight = offset = 0.0
+    level = max(pinned)
+    for position, rank in enumerate(order):
+        weight += 1.0 / per_layer[rank]
+        offset += pinned[rank] / per_layer[rank]
+        level = (num_layers + offset) / weight
+        following = pinned[order[position + 1]] if position + 1 < len(order) else float("inf")
+        if level <= following:
+            break
+    return max(level, max(pinned))
 
 
 def _profile_ms(profile: Profile) -> float:

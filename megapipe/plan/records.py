@@ -28,7 +28,7 @@ class SearchOptions:
     max_pipeline_model_parallel_size: int | None = None
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes tried when train.micro_batch_size is null."""
-    max_virtual_pipeline_model_parallel_size: int = 8
+    max_virtual_pipeline_model_parallel_size: int = 4
     context_parallel_min_seq_length: int = 16384
     """Context parallelism is searched only from this sequence length up (ring attention pays off)."""
     total_tokens: float = 2.0e12
