@@ -343,3 +343,30 @@ def test_48_layer_gpt_embedding_is_memory_heavy_and_compute_light():
     assert compute < 0.05
     assert (output.fwd_ms + output.bwd_ms) / (decoder.fwd_ms + decoder.bwd_ms) > 2
     assert math.isclose(output.static_bytes / decoder.static_bytes, v * h / (12 * h * h + 13 * h), rel_tol=1e-3)
+
+
+# --- against megatron-core's real layers (CPU) ------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_parameters_and_activation_bytes_match_megatron_core_on_cpu():
+    """Parameters exact; full recompute exact; a GELU layer (fp32, no dropout) within the causal mask + norm stats."""
+    pytest.importorskip("megatron.core")
+    from megapipe.cost.memory import decoder_activation_bytes
+    from megapipe.profile.measure import MeasureOptions, measure_profile
+
+    model = ModelSpec(name="gelu_mha", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                      ffn_hidden_size=256, vocab_size=512, seq_length=64, activation=Activation.gelu,
+                      attention_backend=AttentionBackend.unfused, position_embedding_type="learned_absolute")
+    for recompute in (Recompute.none, Recompute.full):
+        train = TrainSpec(micro_batch_size=2, seq_length=64, precision="fp32", recompute_granularity=recompute)
+        measured = measure_profile(model=model, train=train, options=MeasureOptions(device="cpu", warmup=0, iters=1))
+        predicted = layer_costs(model=model, gpu=H100, cluster=CLUSTER, parallel=ParallelSpec(), train=train)
+        by_kind = {layer.kind: layer for layer in measured.layers}
+        for layer in (predicted.layers[0], predicted.layers[1], predicted.layers[-1]):
+            assert layer.param_count == by_kind[layer.kind].param_count
+        # megapipe's profiler builds without dropout; compare with the model's no-dropout figure.
+        no_dropout = decoder_activation_bytes(replace(shapes_of(model=model, parallel=ParallelSpec(), train=train),
+                                                      gpt_style=False))
+        gap = by_kind[LayerKind.decoder].act_bytes - no_dropout
+        assert gap == 0 if recompute == Recompute.full else 0 <= gap <= 64 * 64 + 2 * 2 * 128 * 4

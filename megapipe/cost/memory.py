@@ -15,7 +15,8 @@ element, q = a d, kv = g d for g query groups, f = ffn_hidden_size):
 - *replicated* across TP ranks (divided by t only under SP): two norm inputs
   ``2 e sbh``, linear_qkv input ``e sbh``, linear_fc1 input ``e sbh``, and with
   dropout two 1-byte masks ``2 sbh``; e = 2 gives Korthikanti's 10;
-- *sharded* by t: Q and K for ``Q K^T`` ``e sb (q + kv)``, V ``e sb kv``, linear_proj
+- *sharded* by t: Q and K for ``Q K^T`` ``e sb (q + kv)``, V ``e sb kv`` (unfused attention
+  repeats K and V to all heads first, so kv counts as q there), linear_proj
   input ``e sb q``; MLP: GELU input and linear_fc2 input ``2 e sb f``, or for SwiGLU
   the ``2f``-wide linear_fc1 output plus linear_fc2 input ``3 e sb f``; with q = kv = h
   and f = 4h this is Korthikanti's 24;
@@ -42,6 +43,8 @@ __all__ = [
     "p2p_bytes",
 ]
 
+_INDEX_BYTES = 8
+"""int64 token and position ids."""
 _LOGITS_BYTES = 4
 """Megatron's vocab-parallel cross-entropy casts logits to fp32 and saves exp(logits)."""
 
@@ -54,6 +57,9 @@ def _replicated_bytes(shapes: Shapes) -> float:
 
 def _sharded_bytes(shapes: Shapes) -> float:
     e, q, kv, f = shapes.element_bytes, shapes.query_size, shapes.kv_size, shapes.ffn_hidden_size
+    # Unfused attention repeats K and V to every query head before the batched GEMMs (GQA), so
+    # what those GEMMs keep is q wide; flash/fused kernels take the grouped K and V as they are.
+    kv = q if shapes.unfused_attention else kv
     attention = e * (q + kv) + e * kv + e * q
     mlp = (3 if shapes.gated else 2) * e * f
     return shapes.tokens * (attention + mlp) / shapes.tensor_model_parallel_size
@@ -76,11 +82,13 @@ def decoder_activation_bytes(shapes: Shapes) -> float:
 
 
 def embedding_activation_bytes(shapes: Shapes) -> float:
-    """The embedding-dropout mask (Korthikanti Sec. 4.3: ``s b h / t`` with SP); none without dropout.
+    """Token ids (int64, for the lookup's backward), learned-position ids, and the embedding-dropout
+    mask (Korthikanti Sec. 4.3: ``s b h / t`` with SP; none without dropout).
 
     The embedding's output is stored by the first decoder layer's norm, counted there.
     """
-    return float(shapes.norm_tokens * shapes.hidden_size) if shapes.dropout else 0.0
+    ids = _INDEX_BYTES * shapes.tokens + (_INDEX_BYTES * shapes.local_seq_length if shapes.learned_positions else 0)
+    return float(ids + (shapes.norm_tokens * shapes.hidden_size if shapes.dropout else 0))
 
 
 def output_activation_bytes(shapes: Shapes) -> float:
