@@ -294,3 +294,47 @@ def test_gantt_png_is_written_and_deterministic(tmp_path):
     data = open(first, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert data == open(second, "rb").read()
+
+
+def _run_command(tmp_path, capsys, *overrides):
+    from megapipe.commands.simulate import run
+    from megapipe.config import compose
+
+    cfg = compose(["output.format=json", f"output.dir={tmp_path}", *overrides])
+    run(cfg)
+    import json
+
+    return json.loads(capsys.readouterr().out)
+
+
+def test_command_with_stage_times_all_schedules(tmp_path, capsys):
+    document = _run_command(tmp_path, capsys, "schedule=all", "parallel.pipeline_model_parallel_size=4",
+                            "train.num_microbatches=8", "stage_times=[[1,1,1],[1,1,1],[1,1,1],[1,1,1]]")
+    assert set(document) == set(SCHEDULE_NAMES)
+    assert document["1f1b"]["bubble_fraction"] == pytest.approx(3 / 11, abs=1e-6)
+    assert document["zb_h2"]["steady_bubble_fraction"] == 0.0
+    assert document["zb_v"]["stages"][0]["peak_in_flight"] == 8
+    assert {"busy_ms", "idle_ms", "bubble_fraction", "peak_in_flight", "peak_activation_bytes"} <= set(
+        document["gpipe"]["stages"][0])
+    assert (tmp_path / "zb_v_gantt.png").exists() and (tmp_path / "dualpipe_v_trace.json").exists()
+
+
+def test_command_from_the_cost_model(tmp_path, capsys):
+    document = _run_command(tmp_path, capsys, "schedule=1f1b", "parallel.pipeline_model_parallel_size=8",
+                            "train.num_microbatches=32", "output.pictures=false")
+    assert document["schedule"] == "1f1b" and len(document["stages"]) == 8
+    assert document["step_time_ms"] > 0 and document["bubble_fraction"] >= document["closed_form_bubble_equal_stages"]
+    assert [s["peak_in_flight"] for s in document["stages"]] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert not list(tmp_path.iterdir())
+
+
+def test_command_rejects_bad_stage_times(tmp_path, capsys):
+    from megapipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="stage_times has 2 triples; zb_v with pipeline_model_parallel_size=4"):
+        _run_command(tmp_path, capsys, "schedule=zb_v", "parallel.pipeline_model_parallel_size=4",
+                     "train.num_microbatches=8", "stage_times=[[1,1,1],[1,1,1]]")
+    with pytest.raises(ScheduleError, match="interleaved_1f1b needs virtual_pipeline_model_parallel_size >= 2"):
+        _run_command(tmp_path, capsys, "schedule=interleaved_1f1b", "parallel.pipeline_model_parallel_size=4",
+                     "parallel.virtual_pipeline_model_parallel_size=1", "train.num_microbatches=8",
+                     "stage_times=[[1,1,1],[1,1,1],[1,1,1],[1,1,1]]")

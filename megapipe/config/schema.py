@@ -182,8 +182,8 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     profile: Optional[str] = None
     """A megapipe-profile/1 file used instead of the cost model."""
-    stage_times: Optional[List[List[float]]] = None
-    """Per-stage [F, B, W] in ms for `megapipe simulate`."""
+    stage_times: Optional[List[List[Any]]] = None
+    """Per-stage [F, B, W] in ms for `megapipe simulate` (ints or floats; checked by the command)."""
     input: Optional[str] = None
     """The positional argument of commands that take a path (report DIR, replan RUN_DIR)."""
     extra: Any = None

@@ -1,0 +1,181 @@
+"""``megapipe simulate``: time one pipeline schedule (or all of them) and draw it.
+
+    megapipe simulate schedule=1f1b parallel.pipeline_model_parallel_size=8 train.num_microbatches=32
+    megapipe simulate schedule=all stage_times='[[1,1,1],[1,1,1],[1,1,1],[1,1,1]]' \
+        parallel.pipeline_model_parallel_size=4 train.num_microbatches=16
+
+Per-stage times come from ``stage_times`` (one [F, B, W] per layout stage in ms,
+B the input-gradient part; or one per rank, split evenly over the rank's chunks),
+else from ``profile=FILE`` or the cost model through the optimal partition of the
+configured model on the cluster (with the cluster's p2p cost between neighbours).
+Prints a summary (a row per schedule for ``schedule=all``) or, for
+``output.format=json``, one JSON object (keyed by schedule for ``schedule=all``).
+Writes ``<schedule>_gantt.png`` and ``<schedule>_trace.json`` (Perfetto) into the
+output directory unless ``output.pictures=false``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+from megapipe.config import Setup, to_setup
+from megapipe.errors import ConfigError, InfeasibleError, MegapipeError
+from megapipe.schedules import SCHEDULE_NAMES, Schedule, build, chunks_per_rank
+from megapipe.simulate import P2PCost, SimResult, StageTimes, simulate
+from megapipe.simulate.bubble import WRITEUP_PERCENT, closed_form_bubble
+
+__all__ = ["run", "result_dict", "times_from_triples"]
+
+GIB = 2**30
+
+
+def times_from_triples(triples, *, schedule: Schedule) -> StageTimes:
+    """[F, B, W] per layout stage, or per rank split evenly over its chunks (B = input gradient)."""
+    try:
+        rows = [list(map(float, row)) for row in triples]
+    except (TypeError, ValueError):
+        rows = [[]]
+    if not rows or any(len(row) != 3 for row in rows):
+        raise ConfigError(f"stage_times={triples!r} must be a list of [F, B, W] triples in ms")
+    stages, ranks = schedule.num_stages, schedule.pipeline_model_parallel_size
+    if len(rows) == ranks and stages != ranks:
+        chunks = stages // ranks
+        rows = [[value / chunks for value in rows[schedule.stage_to_rank[stage]]] for stage in range(stages)]
+    if len(rows) != stages:
+        raise ConfigError(
+            f"stage_times has {len(rows)} triples; {schedule.name} with pipeline_model_parallel_size={ranks} "
+            f"needs {stages} (one per layout stage) or {ranks} (one per rank)"
+        )
+    return StageTimes.split(fwd_ms=[r[0] for r in rows], input_grad_ms=[r[1] for r in rows],
+                            wgrad_ms=[r[2] for r in rows])
+
+
+def _model_times(setup: Setup, schedule: Schedule, chunks: int, notes: list[str]) -> tuple[StageTimes, P2PCost]:
+    """Stage times of the optimal partition (memory-checked when it fits) and the cluster's p2p cost."""
+    from megapipe.commands.partition import pipeline_p2p, setup_profile, stage_times
+    from megapipe.partition import solve
+    from megapipe.stages import stage_specs
+
+    profile = setup_profile(setup)
+    specs = stage_specs(setup.cluster, pipeline_model_parallel_size=schedule.pipeline_model_parallel_size)
+    kwargs = dict(num_microbatches=schedule.num_microbatches, schedule=schedule.name,
+                  virtual_pipeline_model_parallel_size=chunks,
+                  microbatch_group_size_per_vp_stage=schedule.microbatch_group_size_per_vp_stage)
+    try:
+        part = solve(profile, list(specs), **kwargs)
+    except InfeasibleError as exc:
+        notes.append(f"{schedule.name}: does not fit memory ({exc}); timed the time-optimal split")
+        part = solve(profile, list(specs), check_memory=False, **kwargs)
+    return stage_times(profile, part, specs, schedule.stage_to_rank), pipeline_p2p(setup)
+
+
+def _chunks(name: str, setup: Setup) -> int:
+    if name == "interleaved_1f1b" and "virtual_pipeline_model_parallel_size" not in setup.fixed:
+        return 2
+    return chunks_per_rank(name, setup.parallel.virtual_pipeline_model_parallel_size)
+
+
+def _simulate_one(name: str, setup: Setup, cfg: DictConfig, notes: list[str]) -> SimResult:
+    chunks = _chunks(name, setup)
+    schedule = build(name, pipeline_model_parallel_size=setup.parallel.pipeline_model_parallel_size,
+                     num_microbatches=setup.num_microbatches, virtual_pipeline_model_parallel_size=chunks,
+                     microbatch_group_size_per_vp_stage=setup.parallel.microbatch_group_size_per_vp_stage)
+    if cfg.get("stage_times") is not None:
+        triples = OmegaConf.to_container(cfg.stage_times, resolve=True)
+        return simulate(schedule, times_from_triples(triples, schedule=schedule))
+    times, p2p = _model_times(setup, schedule, chunks, notes)
+    return simulate(schedule, times, p2p=p2p)
+
+
+def result_dict(result: SimResult) -> dict:
+    """The JSON form of one simulated schedule."""
+    schedule = result.schedule
+    pp, m = schedule.pipeline_model_parallel_size, schedule.num_microbatches
+    closed = closed_form_bubble(schedule.name, pipeline_model_parallel_size=pp, num_microbatches=m,
+                                virtual_pipeline_model_parallel_size=schedule.virtual_pipeline_model_parallel_size)
+    return {
+        "schedule": schedule.name,
+        "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": schedule.virtual_pipeline_model_parallel_size,
+        "num_microbatches": m,
+        "step_time_ms": round(result.step_time_ms, 6),
+        "bubble_fraction": round(result.bubble_fraction, 6),
+        "steady_bubble_fraction": round(result.steady_bubble_fraction, 6),
+        "closed_form_bubble_equal_stages": None if closed is None else round(closed, 6),
+        "writeup_bubble_percent": WRITEUP_PERCENT.get(schedule.name, {}).get(pp),
+        "stages": [
+            {"rank": r.rank, "busy_ms": round(r.busy_ms, 6), "idle_ms": round(r.idle_ms, 6),
+             "bubble_fraction": round(r.bubble_fraction, 6), "peak_in_flight": r.peak_in_flight,
+             "peak_activation_bytes": float(round(r.peak_activation_bytes))}
+            for r in result.ranks
+        ],
+        "stage_peak_in_flight": list(result.stage_peak_in_flight),
+        "critical_path_ops": len(result.critical_path),
+    }
+
+
+def _write_pictures(result: SimResult, directory: str) -> list[str]:
+    from megapipe.report.gantt import gantt_png
+    from megapipe.report.trace import write_trace
+
+    os.makedirs(directory, exist_ok=True)
+    name = result.schedule.name
+    return [gantt_png(result, os.path.join(directory, f"{name}_gantt.png")),
+            write_trace(result, os.path.join(directory, f"{name}_trace.json"))]
+
+
+def _print_table(setup: Setup, rows: dict, notes: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(soft_wrap=True, width=max(Console().width, 120))
+    par = setup.parallel
+    table = Table(title=f"P={par.pipeline_model_parallel_size}, {setup.num_microbatches} microbatches")
+    for column in ("schedule", "v", "step ms", "bubble", "steady", "closed form", "write-up", "peak in flight",
+                   "peak act GiB"):
+        table.add_column(column, justify="right")
+    for name, row in rows.items():
+        if "error" in row:
+            table.add_row(name, "", "", "", "", "", "", "", row["error"])
+            continue
+        closed, writeup = row["closed_form_bubble_equal_stages"], row["writeup_bubble_percent"]
+        table.add_row(
+            name, str(row["virtual_pipeline_model_parallel_size"]), f"{row['step_time_ms']:.2f}",
+            f"{row['bubble_fraction']:.1%}", f"{row['steady_bubble_fraction']:.1%}",
+            "-" if closed is None else f"{closed:.1%}", "-" if writeup is None else f"{writeup}%",
+            str(max(s["peak_in_flight"] for s in row["stages"])),
+            f"{max(s['peak_activation_bytes'] for s in row['stages']) / GIB:.2f}",
+        )
+    console.print(table)
+    console.print("closed form: equal stages with F = B = W; steady: each rank's own first-to-last-op span")
+    for note in notes:
+        console.print(f"note: {note}")
+
+
+def run(cfg: DictConfig) -> None:
+    from megapipe.cli import output_dir
+
+    setup = to_setup(cfg)
+    names = SCHEDULE_NAMES if setup.schedule == "all" else (setup.schedule,)
+    rows, notes = {}, []
+    for name in names:
+        try:
+            result = _simulate_one(name, setup, cfg, notes)
+        except (InfeasibleError, MegapipeError) as exc:
+            if len(names) == 1 or isinstance(exc, ConfigError):
+                raise
+            rows[name] = {"schedule": name, "error": str(exc)}
+            continue
+        rows[name] = result_dict(result)
+        if cfg.output.get("pictures", True):
+            rows[name]["files"] = _write_pictures(result, output_dir(cfg))
+    if getattr(cfg.output.format, "value", cfg.output.format) == "json":
+        document = rows if len(names) > 1 else rows[names[0]]
+        if notes:
+            document = {**document, "notes": notes}
+        print(json.dumps(document))
+    else:
+        _print_table(setup, rows, notes)
