@@ -22,7 +22,7 @@ from megapipe.plan.records import SCHEDULES, SearchOptions, SearchResult
 from megapipe.plan.search import search
 from megapipe.profile.format import Profile, atomic_write_text
 
-__all__ = ["run", "search_options", "search_inputs", "write_plan_dir"]
+__all__ = ["run", "precheck", "search_options", "search_inputs", "write_plan_dir", "print_plans"]
 
 _PARALLEL_DIMS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "virtual_pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel")
@@ -85,6 +85,12 @@ def search_inputs(cfg: DictConfig):
     return setup, fixed
 
 
+def precheck(cfg: DictConfig) -> None:
+    """What the CLI validates before Hydra runs: the inputs with searched dimensions left free."""
+    search_inputs(cfg)
+    search_options(cfg)
+
+
 def _progress_search(**kwargs) -> SearchResult:
     """Search with a rich progress bar on stderr (shown only when stderr is a terminal)."""
     if not sys.stderr.isatty():
@@ -107,7 +113,7 @@ def write_plan_dir(directory: str, *, result: SearchResult, setup, options: Sear
 
     best = result.best
     emitted = emit(partition=best.partition, parallel=best.parallel, train=best.train)
-    inputs = OmegaConf.to_container(cfg, resolve=True)
+    inputs = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     inputs.pop("hydra", None)
     document = plan_document(result=result, model=setup.model, cluster=setup.cluster, inputs=inputs,
                              emitted=emitted.as_dict())
@@ -129,13 +135,11 @@ def _pictures(directory: str, result: SearchResult) -> None:
     from megapipe.report.plots import memory_chart
 
     memory_chart(result.best, os.path.join(directory, "memory.png"), baseline=result.baseline)
-    try:
-        from megapipe.report import gantt
-    except ImportError:
-        return
-    draw = getattr(gantt, "plan_gantt", None)
-    if draw is not None:
-        draw(result.best, os.path.join(directory, "gantt.png"))
+    if result.best.simulation is not None:
+        from megapipe.report.gantt import gantt_png
+
+        gantt_png(result.best.simulation, os.path.join(directory, "gantt.png"),
+                  title=f"{result.best.schedule}: {result.best.layout}")
 
 
 def run(cfg: DictConfig) -> None:
@@ -175,11 +179,10 @@ def _row(label: str, plan) -> list[str]:
     shape = (f"{par.tensor_model_parallel_size}/{par.pipeline_model_parallel_size}/{par.data_parallel_size}/"
              f"{par.context_parallel_size}/{par.virtual_pipeline_model_parallel_size}")
     peak = max(stage.total_bytes for stage in plan.stages) / 2**30
-    flags = "; ".join(plan.warnings)
     return [label, shape, plan.schedule, str(train.micro_batch_size), train.recompute_granularity.value,
             "y" if par.sequence_parallel else "n", f"{plan.tokens_per_s_per_gpu:,.0f}", f"{plan.mfu:.1%}",
             f"{plan.bubble_fraction:.1%}", f"{peak:.1f}", f"{plan.memory_cv:.2f}",
-            f"${plan.cost_per_million_tokens:.3f}", f"${plan.total_cost / 1e6:,.2f}M", flags]
+            f"${plan.cost_per_million_tokens:.3f}", f"${plan.total_cost / 1e6:,.2f}M", str(len(plan.warnings))]
 
 
 def print_plans(result: SearchResult, *, directory: str) -> None:
@@ -189,7 +192,7 @@ def print_plans(result: SearchResult, *, directory: str) -> None:
 
     table = Table(title="megapipe plan: best first")
     for name in ("", "TP/PP/DP/CP/VP", "schedule", "mbs", "recompute", "SP", "tok/s/GPU", "MFU", "bubble",
-                 "peak GiB", "mem CV", "$/1M tok", "total $", "warnings"):
+                 "peak GiB", "mem CV", "$/1M tok", "total $", "warn"):
         table.add_column(name, overflow="fold")
     for index, plan in enumerate(result.plans, start=1):
         table.add_row(*_row(f"#{index}", plan))
@@ -201,6 +204,8 @@ def print_plans(result: SearchResult, *, directory: str) -> None:
     console.print(table)
     best = result.best
     console.print(f"layout: {best.layout}")
+    for warning in best.warnings:
+        console.print(f"warning: {warning}")
     if result.baseline is not None:
         gain = best.tokens_per_s / result.baseline.tokens_per_s - 1
         console.print(f"gain over equal split: {gain:+.1%}")

@@ -108,35 +108,41 @@ class Evaluator:
     def bound(self, cand: Candidate, *, min_time_scale: float = 1.0) -> Bound:
         """Closed-form lower bounds, valid for every partition of the candidate.
 
-        Pipeline: every rank runs m microbatches of its share, so the busiest rank needs at
-        least m * T / p (T = forward + backward of all layers). Flush schedules add their fill
-        and drain at the balanced optimum: GPipe/1F1B (m - 1) max t_i + sum t_i >= (m + p - 1) T / p;
-        interleaving divides the fill by v (Narayanan et al. 2021); ZB-H1 idles (p - 1)(F + B - W)
-        per rank (Qi et al. 2024, B = input-gradient part). ZB-H2 and the V-shaped schedules get
-        no fill term (with few microbatches their flushed bubble falls below the paper's
-        steady-state form, so it would not be a bound). tests/test_plan_search.py checks
-        bound <= exact over whole search spaces. DP sync: the exposed time max(0, comm_r - backward_r) is
-        convex in the rank's (parameters, backward), so its maximum over ranks is at least its
-        value at the mean rank (Jensen); the optimizer step is linear in parameters, likewise.
-        Memory: see :meth:`memory_bound`.
+        Pipeline: rank r cannot start before the first microbatch's forward crossed the ranks
+        before it, and runs m microbatches of its share t_r, so step >= m t_r + phi sum_{s<r} t_s,
+        where phi is the share of a rank's time that sits on that path: 1 for GPipe/1F1B (the
+        fused backward must also drain back through ranks s < r), the forward share
+        F / (F + B) of the cheapest unit for ZB-H1/H2, and 0 for interleaved and V-shaped
+        schedules. Minimising the max over ranks subject to sum t_r = T gives equal g_r,
+        t_{r+1} = q t_r with q = 1 - phi/m, hence step >= m T / sum_{r<p} q^r (the weights
+        lambda_s ~ q^(p-1-s) certify it as a bound). For balanced stages and phi = 1 this is
+        close to the (m + p - 1) T / p of Narayanan et al. 2021.
+        DP sync: the exposed time max(0, comm_r - backward_r) is convex in the rank's
+        (parameters, backward), so its maximum over ranks is at least its value at the mean
+        rank (Jensen); the optimizer step is linear in parameters, likewise.
+        tests/test_plan_search.py checks bound <= exact over a whole search space.
         """
         totals = self.totals(cand)
         par = cand.parallel
-        pp, vp, m = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size, cand.num_microbatches
-        scale = min_time_scale / pp
-        fwd, bwd, wgrad = totals.fwd_ms * scale, totals.bwd_ms * scale, totals.wgrad_ms * scale
-        fill = {
-            "gpipe": (pp - 1) * (fwd + bwd), "1f1b": (pp - 1) * (fwd + bwd),
-            "interleaved_1f1b": (pp - 1) * (fwd + bwd) / vp,
-            "zb_h1": (pp - 1) * max(0.0, fwd + bwd - 2 * wgrad),
-        }.get(cand.schedule, 0.0)
+        pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
+        total_ms = (totals.fwd_ms + totals.bwd_ms) * min_time_scale
+        phi = {"gpipe": 1.0, "1f1b": 1.0, "zb_h1": self._forward_share(cand),
+               "zb_h2": self._forward_share(cand)}.get(cand.schedule, 0.0)
+        ratio = 1.0 - phi / m
+        pipeline = m * total_ms / sum(ratio ** r for r in range(pp))
+        if self.cluster.is_heterogeneous:  # per-type windows and bandwidths: keep the pipeline term only
+            return Bound(step_ms=pipeline, memory_bytes=self.memory_bound(cand))
         params = totals.param_count / pp
         optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par,
                                       precision=cand.train.precision)
         sync = dp_sync_ms(params_per_gpu=params, precision=cand.train.precision, cluster=self.cluster, parallel=par,
-                          backward_ms=bwd / min_time_scale * max(min_time_scale, 1.0),
-                          forward_ms=fwd / min_time_scale * max(min_time_scale, 1.0))
-        return Bound(step_ms=m * (fwd + bwd) + fill + optimizer + sync, memory_bytes=self.memory_bound(cand))
+                          backward_ms=totals.bwd_ms / pp, forward_ms=totals.fwd_ms / pp)
+        return Bound(step_ms=pipeline + optimizer + sync, memory_bytes=self.memory_bound(cand))
+
+    def _forward_share(self, cand: Candidate) -> float:
+        layers = self.profile(cand).layers
+        return min((layer.fwd_ms / (layer.fwd_ms + layer.bwd_ms) for layer in layers
+                    if layer.fwd_ms + layer.bwd_ms > 0), default=0.0)
 
     def memory_bound(self, cand: Candidate) -> float:
         """A lower bound on the fullest rank's bytes, over every split (water-filling).
@@ -303,7 +309,7 @@ def _metrics(ev: Evaluator, cand: Candidate, part: Partition, sim, usages, specs
                                num_microbatches=cand.num_microbatches,
                                bubble_warning_range=ev.options.bubble_warning_range, memory_over_gib=over_gib),
         stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
-        partition=part,
+        partition=part, simulation=sim,
     )
 
 

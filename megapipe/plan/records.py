@@ -123,7 +123,9 @@ class Plan:
     stage_gpus: tuple[str, ...] = ()
     """GPU type per pipeline rank (mixed clusters)."""
     partition: Partition | None = field(default=None, compare=False, repr=False)
-    """The solver's record, for the emitters and the Gantt chart."""
+    """The solver's record, for the emitters."""
+    simulation: object = field(default=None, compare=False, repr=False)
+    """The megapipe.simulate.SimResult of the step, for the Gantt chart."""
 
     @property
     def key(self) -> tuple:

@@ -1,0 +1,155 @@
+"""The planner on the real cost model, solver, schedules and simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megapipe.errors import ConfigError, InfeasibleError
+from megapipe.plan.evaluate import Evaluator
+from megapipe.plan.hetero import placements
+from megapipe.plan.rank import rank_plans
+from megapipe.plan.records import SearchOptions
+from megapipe.plan.search import search
+from megapipe.plan.space import enumerate_candidates
+from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec
+
+H100 = GpuSpec(name="h100", bf16_tflops=989.0, hbm_gbytes_per_s=3350.0, memory_gib=80.0)
+A100 = GpuSpec(name="a100", bf16_tflops=312.0, hbm_gbytes_per_s=2039.0, memory_gib=80.0, matmul_efficiency=0.8)
+NVLINK = LinkSpec(kind="nvlink", bandwidth_gbytes_per_s=450.0, latency_us=3.0)
+IB = LinkSpec(kind="infiniband", bandwidth_gbytes_per_s=50.0, latency_us=5.0)
+SMALL = ModelSpec(name="small", num_layers=12, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
+                  ffn_hidden_size=5632, vocab_size=32000, seq_length=4096)
+TRAIN = TrainSpec(global_batch_size=32, seq_length=4096)
+
+
+def cluster(num_nodes: int = 2, gpus_per_node: int = 4, gpu: GpuSpec = H100, groups=None) -> ClusterSpec:
+    return ClusterSpec(name="c", gpus_per_node=gpus_per_node, price_per_gpu_hour=2.0, intra_node=NVLINK,
+                       inter_node=IB, node_groups=groups or (NodeGroup(gpu=gpu, num_nodes=num_nodes),))
+
+
+OPTIONS = SearchOptions(micro_batch_sizes=(1, 2, 4), max_virtual_pipeline_model_parallel_size=3)
+
+
+@pytest.fixture(scope="module")
+def brute():
+    """Every candidate of the small space evaluated exactly (no bounds)."""
+    c = cluster()
+    ev = Evaluator(model=SMALL, cluster=c, options=OPTIONS)
+    space = enumerate_candidates(model=SMALL, cluster=c, train=TRAIN, options=OPTIONS)
+    plans, bounds = [], []
+    for cand in space.candidates:
+        try:
+            plan = ev.evaluate(cand)
+        except InfeasibleError:
+            continue
+        plans.append(plan)
+        bounds.append(ev.bound(cand))
+    return plans, bounds
+
+
+def test_bounds_never_exceed_exact(brute):
+    """Branch and bound is exact only if every bound is a true lower bound."""
+    plans, bounds = brute
+    assert len(plans) > 50
+    for plan, bound in zip(plans, bounds):
+        assert bound.step_ms <= plan.step_time_s * 1e3 * (1 + 1e-9), (plan.key, bound.step_ms, plan.step_time_s)
+        assert bound.memory_bytes <= max(s.total_bytes for s in plan.stages) * (1 + 1e-9), plan.key
+
+
+def test_search_equals_brute_force(brute):
+    plans, _ = brute
+    expected = rank_plans(plans, objective="throughput", top_k=5)
+    result = search(model=SMALL, cluster=cluster(), train=TRAIN, options=OPTIONS)
+    assert [p.key for p in result.plans] == [p.key for p in expected]
+    assert result.stats.simulated < len(plans)
+    assert dict(result.stats.pruned).get("bound", 0) > 0
+
+
+def test_plan_metrics_are_consistent():
+    result = search(model=SMALL, cluster=cluster(), train=TRAIN, options=OPTIONS)
+    best = result.best
+    tokens = TRAIN.global_batch_size * TRAIN.seq_length
+    assert best.tokens_per_s == pytest.approx(tokens / best.step_time_s)
+    assert best.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s / 8)
+    assert best.step_time_s == pytest.approx((best.pipeline_ms + best.dp_sync_ms + best.optimizer_ms) / 1e3)
+    assert 0 < best.mfu < 1
+    assert best.cost_per_million_tokens == pytest.approx(1e6 / best.tokens_per_s * 8 * 2.0 / 3600)
+    assert best.parallel.world_size == 8
+    assert sum(best.layers_per_stage) == SMALL.num_layers
+    for stage in best.stages:
+        assert stage.total_bytes == pytest.approx(stage.static_bytes + stage.activation_bytes)
+        assert stage.total_bytes <= H100.usable_memory_bytes
+    # the equal split of the best configuration can never beat the optimal split
+    assert result.baseline is not None and result.baseline.method == "equal"
+    assert result.baseline.key == best.key
+    assert result.baseline.pipeline_ms >= best.pipeline_ms * (1 - 1e-9)
+
+
+def test_everything_fixed_evaluates_one_candidate():
+    fixed = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "context_parallel_size": 1,
+             "virtual_pipeline_model_parallel_size": 1, "sequence_parallel": True, "micro_batch_size": 1,
+             "recompute_granularity": "none", "schedule": "1f1b"}
+    result = search(model=SMALL, cluster=cluster(), train=TRAIN, fixed=fixed, options=OPTIONS)
+    assert result.stats.enumerated == 1 and result.stats.simulated == 1
+    assert len(result.plans) == 1 and result.best.parallel.data_parallel_size == 2
+
+
+def test_no_feasible_plan_says_what_fits():
+    tiny = dataclasses.replace(H100, memory_gib=0.5)
+    with pytest.raises(InfeasibleError, match="more GPUs, recompute_granularity=full, or a smaller micro_batch_size"):
+        search(model=SMALL, cluster=cluster(gpu=tiny), train=TRAIN, options=OPTIONS)
+
+
+def test_zero_memory_cluster_is_a_config_error():
+    broken = dataclasses.replace(H100, memory_gib=0.0)
+    with pytest.raises(ConfigError, match="memory_gib=0.0"):
+        search(model=SMALL, cluster=cluster(gpu=broken), train=TRAIN, options=OPTIONS)
+
+
+def test_ignore_memory_limit_flags_the_gib_over():
+    tight = dataclasses.replace(H100, memory_gib=2.0)
+    options = dataclasses.replace(OPTIONS, ignore_memory_limit=True)
+    fixed = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "schedule": "1f1b",
+             "micro_batch_size": 4, "recompute_granularity": "none"}
+    result = search(model=SMALL, cluster=cluster(gpu=tight), train=TRAIN, fixed=fixed, options=options)
+    best = result.best
+    assert not best.feasible and best.memory_over_gib > 0
+    peak = max(stage.total_bytes for stage in best.stages)
+    assert best.memory_over_gib == pytest.approx((peak - tight.usable_memory_bytes) / 2**30)
+    assert any("does not fit" in warning for warning in best.warnings)
+
+
+def test_bubble_target_picks_micro_batch_size():
+    fixed = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 4, "schedule": "1f1b",
+             "recompute_granularity": "full", "sequence_parallel": False}
+    free = search(model=SMALL, cluster=cluster(), train=TRAIN, fixed=fixed,
+                  options=dataclasses.replace(OPTIONS, top_k=10))
+    by_bubble = sorted(free.plans, key=lambda plan: plan.bubble_fraction)
+    assert len(by_bubble) == 3 and by_bubble[0].bubble_fraction < by_bubble[1].bubble_fraction
+    low = by_bubble[0].bubble_fraction
+    options = dataclasses.replace(OPTIONS, bubble_target=(0.0, low + 1e-6), top_k=10)
+    result = search(model=SMALL, cluster=cluster(), train=TRAIN, fixed=fixed, options=options)
+    assert len(result.plans) == 1  # one layout: its micro-batch sizes compete on the bubble
+    assert result.best.train.micro_batch_size == by_bubble[0].train.micro_batch_size
+    high = by_bubble[-1].bubble_fraction
+    options = dataclasses.replace(OPTIONS, bubble_target=(high - 1e-6, 1.0), top_k=10)
+    result = search(model=SMALL, cluster=cluster(), train=TRAIN, fixed=fixed, options=options)
+    assert result.best.train.micro_batch_size == by_bubble[-1].train.micro_batch_size
+
+
+def test_mixed_cluster_places_gpu_types_and_beats_equal_split():
+    groups = (NodeGroup(gpu=H100, num_nodes=1), NodeGroup(gpu=A100, num_nodes=1))
+    mixed = cluster(groups=groups)
+    fixed = {"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 2, "schedule": "1f1b",
+             "micro_batch_size": 1, "recompute_granularity": "none", "sequence_parallel": True}
+    result = search(model=SMALL, cluster=mixed, train=TRAIN, fixed=fixed, options=OPTIONS)
+    best = result.best
+    assert sorted(best.stage_gpus) == ["a100", "h100"]
+    assert result.hetero_gain is not None and result.hetero_gain > 0.05
+    counts = dict(zip(best.stage_gpus, best.layers_per_stage))
+    assert counts["h100"] > counts["a100"]  # the faster GPU gets more layers
+    par = best.parallel
+    assert len(placements(mixed, par)) == 2
+    assert placements(mixed, dataclasses.replace(par, pipeline_model_parallel_size=1, data_parallel_size=2)) == ()
