@@ -70,8 +70,12 @@ def _split_args(rest: Sequence[str]) -> tuple[list[str], list[str], bool]:
     return overrides, flags, multirun
 
 
-def _precheck(overrides: list[str], multirun: bool) -> None:
-    """Compose once per combination (up to a cap) so errors surface as one line before Hydra runs."""
+def _precheck(overrides: list[str], multirun: bool, check=None) -> None:
+    """Compose once per combination (up to a cap) so errors surface as one line before Hydra runs.
+
+    ``check`` is the command's own ``precheck(cfg)`` when it has one (``plan`` leaves
+    searched dimensions free, so the filled defaults must not be validated).
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from megapipe.config import compose, to_setup
@@ -84,7 +88,7 @@ def _precheck(overrides: list[str], multirun: bool) -> None:
         else:
             choices.append([override.input_line])
     for combo in itertools.islice(itertools.product(*choices), _MAX_PRECHECK):
-        to_setup(compose(list(combo)))
+        (check or to_setup)(compose(list(combo)))
 
 
 def _describe(exc: BaseException) -> str:
@@ -131,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not any(flag in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or flag.startswith("--cfg")
                for flag in flags):
         try:
-            _precheck(overrides, multirun)
+            _precheck(overrides, multirun, getattr(module, "precheck", None))
         except MegapipeError as exc:
             return _fail(command, str(exc))
         except Exception as exc:  # Hydra's composition errors: unknown group option, bad key, bad value
