@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import yaml
 
 from megapipe.errors import ConfigError, ProfileError
 from megapipe.profile import Profile
@@ -138,3 +139,48 @@ def test_match_scales_for_another_gpu(profile: Profile) -> None:
         warnings.simplefilter("error")
         assert match_profile(on_a100, model=_model(), gpu=_gpu("a100_80gb", 312.0)) is on_a100
     assert scale_profile(profile, 1.0).layers == profile.layers
+
+
+CPU_RUN = ["model=tiny_gpt", "cluster=cpu_gloo", "parallel.pipeline_model_parallel_size=1",
+           "parallel.tensor_model_parallel_size=1"]
+
+
+@pytest.mark.engine
+def test_cli_profile_then_calibrate(tmp_path, capsys) -> None:
+    """`megapipe profile` writes a valid profile; `megapipe calibrate` fits it and writes a usable overlay."""
+    from megapipe.cli import main
+    from megapipe.config import compose, to_setup
+
+    code = main(["profile", *CPU_RUN, f"output.dir={tmp_path}", "output.format=json",
+                 "extra={iters: 2, warmup: 0, num_threads: 1}"])
+    assert code == 0
+    written = Profile.load(tmp_path / "profile.yaml")
+    assert written.device == "cpu" and dict(written.meta)["gpu_bf16_tflops"] == "0.1"
+    assert written.num_decoder_layers == 4
+    assert not list(tmp_path.glob(".tmp-*"))  # atomic write leaves no temporary file
+    code = main(["calibrate", str(tmp_path / "profile.yaml"), *CPU_RUN, f"output.dir={tmp_path}",
+                 "output.format=json"])
+    assert code == 0
+    assert '"overlay"' in capsys.readouterr().out
+    setup = to_setup(compose([*CPU_RUN, f"hydra.searchpath=[file://{tmp_path}]", "+calibration=cpu"]))
+    fitted = yaml.safe_load((tmp_path / "calibration" / "cpu.yaml").read_text())["cluster"]["gpu"]
+    assert setup.cluster.gpu.matmul_half_flops == fitted["matmul_half_flops"]
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    from megapipe.cli import main
+
+    assert main(["profile", *CPU_RUN, f"output.dir={tmp_path}", "extra={iterations: 3}"]) == 2
+    assert "extra.iterations" in capsys.readouterr().err
+    other = Profile(layers=_placeholder_layers(), device="h100_80gb")
+    other.save(tmp_path / "h100.yaml")
+    assert main(["calibrate", str(tmp_path / "h100.yaml"), *CPU_RUN, f"output.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "h100_80gb" in err and "\n" not in err
+
+
+def _placeholder_layers():
+    from megapipe.records import LayerCost
+
+    return (LayerCost(name="decoder.0", kind=LayerKind.decoder, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=1.0,
+                      static_bytes=0.0, act_bytes=0.0),)

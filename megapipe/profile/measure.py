@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from megapipe.cost.params import bytes_per_parameter
 from megapipe.errors import ConfigError
 from megapipe.profile.format import Profile
-from megapipe.profile.timing import Unit, UnitResult, measure_unit, spread
+from megapipe.profile.timing import Unit, UnitResult, clock_name, measure_unit, spread
 from megapipe.records import Activation, LayerCost, LayerKind, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
 __all__ = ["MeasureOptions", "measure_profile"]
@@ -95,12 +95,13 @@ def measure_profile(
                 if on_unit is not None:
                     on_unit(unit.name)
                 results[unit.name] = measure_unit(unit, device=device, warmup=options.warmup, iters=options.iters)
-            num_threads = torch.get_num_threads()
+            num_threads, clock = torch.get_num_threads(), clock_name(device)
     finally:
         torch.set_num_threads(threads)
     layers = _layer_costs(results, model=model, parallel=parallel, dtype_name=dtype_name)
     meta = _meta(results, model=model, train=train, parallel=parallel, options=options,
                  device=device, dtype_name=dtype_name)
+    meta["timing"] = f"median of iters; {clock}"
     if device == "cpu":
         meta["num_threads"] = str(num_threads)
     return Profile(layers=layers, device=device_name or _torch_device_name(device), meta=tuple(meta.items()))
@@ -395,7 +396,6 @@ def _meta(results, *, model, train, parallel, options, device, dtype_name) -> di
         "sequence_parallel": parallel.sequence_parallel,
         "warmup": options.warmup,
         "iters": options.iters,
-        "timing": "median of iters; cuda events" if device == "cuda" else "median of iters; perf_counter",
         "wgrad_method": "bwd(trainable weights) - bwd(frozen weights)",
         "act_bytes_method": "distinct storages saved for backward (saved_tensors_hooks), parameters excluded",
     }

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from megapipe.records import LayerKind
 
-__all__ = ["Unit", "UnitResult", "measure_unit", "spread"]
+__all__ = ["Unit", "UnitResult", "clock_name", "measure_unit", "spread"]
 
 
 @dataclass(slots=True)
@@ -35,14 +35,27 @@ class UnitResult:
     cuda_peak_bytes: float | None
 
 
-class _Clock:
-    """perf_counter on CPU; CUDA events (device time, no host overhead) on GPU."""
+def clock_name(device: str) -> str:
+    """Which clock measure_unit uses: CUDA events, the thread's CPU time, or wall time.
 
+    With one torch thread, every CPU kernel (forward and autograd's CPU backward) runs on
+    the calling thread, so its CPU time is the device's busy time, like CUDA events, and
+    stays right when other processes share the cores; with more threads, wall time.
+    """
+    import torch
+
+    if device == "cuda":
+        return "cuda events"
+    return "thread_time" if torch.get_num_threads() == 1 else "perf_counter"
+
+
+class _Clock:
     def __init__(self, device: str) -> None:
         import torch
 
         self._cuda = device == "cuda"
         self._torch = torch
+        self._now = time.thread_time if clock_name(device) == "thread_time" else time.perf_counter
 
     def time_ms(self, thunk: Callable[[], object]) -> tuple[float, object]:
         if self._cuda:
@@ -53,9 +66,9 @@ class _Clock:
             end.record()
             end.synchronize()
             return start.elapsed_time(end), value
-        begin = time.perf_counter()
+        begin = self._now()
         value = thunk()
-        return (time.perf_counter() - begin) * 1e3, value
+        return (self._now() - begin) * 1e3, value
 
 
 def _params(unit: Unit) -> list:
