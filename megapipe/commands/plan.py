@@ -115,6 +115,7 @@ def write_plan_dir(directory: str, *, result: SearchResult, setup, options: Sear
     emitted = emit(partition=best.partition, parallel=best.parallel, train=best.train)
     inputs = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     inputs.pop("hydra", None)
+    inputs.pop("output", None)  # where and how to print, not what was planned
     document = plan_document(result=result, model=setup.model, cluster=setup.cluster, inputs=inputs,
                              emitted=emitted.as_dict())
     os.makedirs(directory, exist_ok=True)

@@ -1,0 +1,76 @@
+"""``megapipe plan`` end to end: plan dir files, JSON output, byte-identical plan.yaml, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import yaml
+
+from megapipe.cli import main
+
+TINY = ["model=tiny_gpt", "cluster=cpu_gloo", "train.global_batch_size=8"]
+FILES = ("plan.yaml", "megatron_args.txt", "bridge_overrides.txt", "nemo2_overrides.txt", "nemo1_overrides.txt",
+         "profile.yaml", "gantt.png", "memory.png")
+
+
+def test_plan_json_and_plan_dir(tmp_path, capsys):
+    out = tmp_path / "a"
+    assert main(["plan", *TINY, f"output.dir={out}", "output.format=json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary) >= {"plans", "baseline", "search"}
+    assert set(summary["search"]) >= {"evaluated", "pruned", "seconds"}
+    best = summary["plans"][0]
+    for key in ("parallel", "train", "schedule", "layers_per_stage", "layout", "step_time_s", "tokens_per_s_per_gpu",
+                "mfu", "bubble_fraction", "stages", "memory_cv", "cost_per_million_tokens", "warnings"):
+        assert key in best
+    assert set(best["stages"][0]) >= {"time_ms", "static_bytes", "activation_bytes", "total_bytes"}
+    assert best["parallel"]["tensor_model_parallel_size"] * best["parallel"]["pipeline_model_parallel_size"] \
+        * best["parallel"]["data_parallel_size"] == 2
+    for name in FILES:
+        assert (out / name).stat().st_size > 0, name
+    doc = yaml.safe_load((out / "plan.yaml").read_text())
+    assert doc["format"] == "megapipe-plan/1"
+    assert doc["topology"]["intra_node"]["kind"] == "loopback"
+    assert doc["best"]["layout"] == best["layout"]
+    args = (out / "megatron_args.txt").read_text()
+    assert f"--pipeline-model-parallel-size\n{best['parallel']['pipeline_model_parallel_size']}" in args
+
+
+def test_plan_yaml_is_byte_identical(tmp_path, capsys):
+    for name in ("a", "b"):
+        assert main(["plan", *TINY, f"output.dir={tmp_path / name}", "output.format=json",
+                     "output.pictures=false"]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "a" / "plan.yaml").read_bytes() == (tmp_path / "b" / "plan.yaml").read_bytes()
+
+
+def test_plan_table_output(tmp_path, capsys):
+    assert main(["plan", *TINY, f"output.dir={tmp_path}", "output.pictures=false"]) == 0
+    text = capsys.readouterr().out
+    assert "equal split" in text and "layout:" in text
+
+
+def test_plan_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    code = main(["plan", *TINY, "parallel.tensor_model_parallel_size=3", f"output.dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("megapipe plan: error:")
+    assert main(["plan", *TINY, "train.global_batch_size=3", "train.micro_batch_size=2",
+                 f"output.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "global_batch_size" in err[0]
+
+
+def test_submitit_launcher_composes():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from megapipe.config import conf_dir, register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=submitit_slurm", *TINY],
+                      return_hydra_config=True)
+    assert "submitit" in cfg.hydra.launcher._target_.lower()
+    assert os.path.isdir(conf_dir())
