@@ -92,21 +92,42 @@ def chunk_memory_caps(
     return tuple(caps)
 
 
-def memory_reach(*, static_prefix: np.ndarray, act_prefix: np.ndarray, in_flight: int, cap: float) -> np.ndarray:
-    """reach[a] = the largest b >= a with static(a, b) + in_flight * act(a, b) <= cap."""
+def memory_reach(
+    *, static_prefix: np.ndarray, act_prefix: np.ndarray, in_flight: Sequence[int], caps: Sequence[float]
+) -> np.ndarray:
+    """reach[c, a] = the largest b >= a with static(a, b) + in_flight[c] * act(a, b) <= caps[c].
+
+    All layout stages at once: one searchsorted over rows made disjoint by an offset.
+    With integral byte counts and every sum below 2**53 that is exact; otherwise each
+    boundary is then settled on the canonical sum, which the offset's rounding can miss.
+    """
     num_entries = len(static_prefix) - 1
-    starts = np.arange(num_entries + 1)
-    if cap == float("inf"):
-        return np.full(num_entries + 1, num_entries)
-    combined = static_prefix + in_flight * act_prefix
-    reach = np.maximum(np.searchsorted(combined, combined + cap, side="right") - 1, starts)
+    counts = np.asarray(in_flight, dtype=float)[:, None]
+    cap_column = np.asarray(caps, dtype=float)[:, None]
+    combined = static_prefix[None, :] + counts * act_prefix[None, :]
+    total = combined[:, -1:]
+    limit = np.minimum(cap_column, total + 1.0)
+    span = float(np.max(total + limit)) + 1.0
+    exact = bool(
+        np.all(np.floor(static_prefix) == static_prefix)
+        and np.all(np.floor(act_prefix) == act_prefix)
+        and np.all(np.floor(counts) == counts)
+        and span * (len(counts) + 1) < 2.0**53
+    )
+    if exact:
+        limit = np.floor(limit)  # integer sums: x <= cap exactly when x <= floor(cap)
+    offsets = np.arange(len(counts), dtype=float)[:, None] * span
+    flat = (combined + offsets).ravel()
+    found = np.searchsorted(flat, (combined + limit + offsets).ravel(), side="right").reshape(combined.shape)
+    starts = np.arange(num_entries + 1)[None, :]
+    row_base = np.arange(len(counts))[:, None] * (num_entries + 1)
+    reach = np.minimum(np.maximum(found - 1 - row_base, starts), num_entries)
+    if exact:
+        return reach
 
     def fits(stops: np.ndarray) -> np.ndarray:
-        return (static_prefix[stops] - static_prefix[starts]) + in_flight * (
-            act_prefix[stops] - act_prefix[starts]
-        ) <= cap
+        return (static_prefix[stops] - static_prefix) + counts * (act_prefix[stops] - act_prefix) <= cap_column
 
-    # searchsorted compared combined prefixes; settle each boundary on the canonical sum.
     for _ in range(num_entries + 1):
         grow = (reach < num_entries) & fits(np.minimum(reach + 1, num_entries))
         shrink = (reach > starts) & ~fits(reach)

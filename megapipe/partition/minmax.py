@@ -54,27 +54,13 @@ def segment_cost(stage: SegmentCost, start: int, stop: int) -> float:
     return stage.scale * (stage.prefix[stop] - stage.prefix[start]) + stage.offset
 
 
-def _time_reach(stage: SegmentCost, start: int, bound: float, num_entries: int) -> int:
-    """The largest stop with segment_cost(start, stop) <= bound (start if none)."""
-    prefix = stage.prefix
-    if bound == _INF:
-        return num_entries
-    target = prefix[start] + (bound - stage.offset) / stage.scale
-    stop = max(start, bisect_right(prefix, target, start, num_entries + 1) - 1)
-    # The bisection works on prefix values; fix its rounding with the canonical cost.
-    while stop < num_entries and segment_cost(stage, start, stop + 1) <= bound:
-        stop += 1
-    while stop > start and segment_cost(stage, start, stop) > bound:
-        stop -= 1
-    return stop
-
-
 class _Probe:
     """Reachable prefix lengths after each stage for one bound; see the module docstring."""
 
     def __init__(self, stages: Sequence[SegmentCost], num_entries: int):
         self.stages = stages
         self.num_entries = num_entries
+        self.largest = [segment_cost(stage, stage.single_desc[0], stage.single_desc[0] + 1) for stage in stages]
 
     def run(self, bound: float) -> tuple[list[list[tuple[int, int]]] | None, float]:
         """(history of reachable intervals, or None when infeasible; next bound that changes a comparison)."""
@@ -84,19 +70,42 @@ class _Probe:
         num_stages = len(self.stages)
         for index, stage in enumerate(self.stages):
             max_pos = self.num_entries - (num_stages - index - 1)
-            blocked, time_blocked = self._blocked_entries(stage, bound)
-            runs: list[tuple[int, int]] = []
-            for pos, (low, high) in enumerate(reach):
-                following = reach[pos + 1][0] if pos + 1 < len(reach) else self.num_entries
-                next_bound = min(next_bound, self._own_runs(runs, low, high, max_pos, blocked, time_blocked))
-                next_bound = min(next_bound, self._jump_run(runs, stage, high, min(following, max_pos), bound))
-            reach = _merge(runs)
-            if not reach:
-                return None, next_bound
+            low, high = reach[0]
+            blocked = stage.mem_blocked
+            if (
+                len(reach) == 1
+                and self.largest[index] <= bound
+                and not (blocked and bisect_left(blocked, low) != bisect_right(blocked, min(high, max_pos - 1)))
+            ):
+                # Common case: every entry that could end here fits this stage alone: one interval stays one.
+                stop, change = self._jump(stage, high, max_pos, bound)
+                if change < next_bound:
+                    next_bound = change
+                reach = [(low + 1, stop if stop > high else high + 1)]
+            else:
+                reach, change = self._general_step(stage, reach, max_pos, bound)
+                if change < next_bound:
+                    next_bound = change
+                if not reach:
+                    return None, next_bound
             history.append(reach)
         if reach[-1][1] != self.num_entries:
             return None, next_bound
         return history, next_bound
+
+    def _general_step(self, stage: SegmentCost, reach, max_pos: int, bound: float):
+        """Reachable stops after ``stage`` from any interval list, and the smallest bound that changes them."""
+        blocked, time_blocked = self._blocked_entries(stage, bound)
+        runs: list[tuple[int, int]] = []
+        next_bound = _INF
+        for pos, (low, high) in enumerate(reach):
+            following = reach[pos + 1][0] if pos + 1 < len(reach) else self.num_entries
+            next_bound = min(next_bound, self._own_runs(runs, low, high, max_pos, blocked, time_blocked))
+            stop, change = self._jump(stage, high, min(following, max_pos), bound)
+            next_bound = min(next_bound, change)
+            if stop >= high + 2:
+                runs.append((high + 2, stop))
+        return _merge(runs), next_bound
 
     @staticmethod
     def _blocked_entries(stage: SegmentCost, bound: float) -> tuple[list[int], dict[int, float]]:
@@ -129,18 +138,28 @@ class _Probe:
             runs.append((start + 1, last + 1))
         return next_bound
 
-    def _jump_run(self, runs, stage: SegmentCost, high: int, limit: int, bound: float) -> float:
-        """Stops in [high + 2, limit] reached from ``high``, the last reachable start before them."""
+    def _jump(self, stage: SegmentCost, high: int, limit: int, bound: float) -> tuple[int, float]:
+        """(last stop in [high + 2, limit] reachable from start ``high``, or less; bound that would extend it)."""
         if high + 2 > limit:
-            return _INF
+            return high + 1, _INF
         memory_stop = stage.mem_reach[high]
-        time_stop = _time_reach(stage, high, bound, self.num_entries)
-        stop = min(memory_stop, time_stop, limit)
-        if stop >= high + 2:
-            runs.append((high + 2, stop))
-        if time_stop < min(memory_stop, limit):
-            return segment_cost(stage, high, time_stop + 1)
-        return _INF
+        if memory_stop < limit:
+            limit = memory_stop
+        if bound == _INF:
+            return limit, _INF
+        prefix, scale, offset = stage.prefix, stage.scale, stage.offset
+        base = prefix[high]
+        stop = bisect_right(prefix, base + (bound - offset) / scale, high, limit + 1) - 1
+        if stop < high:
+            stop = high
+        # The bisection works on prefix values; settle the stop on the canonical cost.
+        while stop < limit and scale * (prefix[stop + 1] - base) + offset <= bound:
+            stop += 1
+        while stop > high and scale * (prefix[stop] - base) + offset > bound:
+            stop -= 1
+        if stop < limit:
+            return stop, scale * (prefix[stop + 1] - base) + offset
+        return stop, _INF
 
 
 def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -161,14 +180,13 @@ def _reconstruct(history, stages: Sequence[SegmentCost], num_entries: int) -> tu
     stop = num_entries
     for index in range(len(stages), 0, -1):
         intervals = history[index - 1]
-        pos = bisect_right([low for low, _ in intervals], stop - 1) - 1
+        pos = 0 if len(intervals) == 1 else bisect_right([low for low, _ in intervals], stop - 1) - 1
         start = min(intervals[pos][1], stop - 1)
         assert start >= intervals[pos][0] and stages[index - 1].mem_reach[start] >= stop
         bounds.append(start)
         stop = start
     bounds.reverse()
-    costs = [segment_cost(stage, bounds[i], bounds[i + 1]) for i, stage in enumerate(stages)]
-    return bounds, max(costs)
+    return bounds, max(segment_cost(stage, bounds[i], bounds[i + 1]) for i, stage in enumerate(stages))
 
 
 def min_max_split(
@@ -176,22 +194,30 @@ def min_max_split(
 ) -> tuple[float, tuple[int, ...]] | None:
     """The exact minimum bottleneck and its stage boundaries (len(stages) + 1), or None if memory never fits.
 
-    ``lower_bound`` must not exceed the optimum; a tight one saves probes.
+    ``lower_bound`` must not exceed the optimum; a tight one saves probes. The search
+    gallops up from it (steps of lower_bound / 64, doubling) until a probe succeeds,
+    then bisects; every probe snaps one end to an achieved value.
     """
     probe = _Probe(stages, num_entries)
     history, _ = probe.run(_INF)
     if history is None:
         return None
-    bounds, upper = _reconstruct(history, stages, num_entries)
-    lower = min(lower_bound, upper)
+    if not math.isfinite(lower_bound):
+        lower_bound = min(probe.largest)
+    lower, upper, bounds = lower_bound, _INF, None
+    step = abs(lower_bound) / 64 or 1.0
     while lower < upper:
-        bound = lower + (upper - lower) / 2
-        if not lower <= bound < upper:
-            bound = lower
+        if upper == _INF:
+            bound, step = lower + step, step * 2
+        else:
+            bound = lower + (upper - lower) / 2
+            if not lower <= bound < upper:
+                bound = lower
         history, next_bound = probe.run(bound)
         if history is None:
             assert next_bound > bound, "an infeasible probe must name a larger bound"
             lower = next_bound
         else:
             bounds, upper = _reconstruct(history, stages, num_entries)
+    assert bounds is not None
     return upper, tuple(bounds)

@@ -135,19 +135,18 @@ def _optimal_bounds(layers, stages, ranks, in_flight, caps) -> tuple[int, ...]:
     time_prefix = (0.0, *itertools.accumulate(layer.fwd_ms + layer.bwd_ms for layer in layers))
     order = sorted(range(num_entries), key=lambda e: time_prefix[e + 1] - time_prefix[e], reverse=True)
     static_prefix, act_prefix = _memory_prefixes(layers)
-    reach_cache: dict[tuple[int, float], tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    costs = []
-    for chunk, (count, cap) in enumerate(zip(in_flight, caps)):
-        key = (count, cap)
-        if key not in reach_cache:
-            reach = memory_reach(static_prefix=static_prefix, act_prefix=act_prefix, in_flight=count, cap=cap)
-            blocked = np.flatnonzero(reach[:-1] == np.arange(num_entries))
-            reach_cache[key] = (tuple(reach.tolist()), tuple(blocked.tolist()))
-        reach, blocked = reach_cache[key]
-        costs.append(SegmentCost(
+    reach = memory_reach(static_prefix=static_prefix, act_prefix=act_prefix, in_flight=in_flight, caps=caps)
+    blocked_rows, blocked_entries = np.nonzero(reach[:, :-1] == np.arange(num_entries))
+    blocked = [[] for _ in caps]
+    for row, entry in zip(blocked_rows.tolist(), blocked_entries.tolist()):
+        blocked[row].append(entry)
+    costs = [
+        SegmentCost(
             prefix=time_prefix, scale=stages[ranks[chunk]].time_scale, offset=0.0,
-            mem_reach=reach, mem_blocked=blocked, single_desc=order,
-        ))  # fmt: skip
+            mem_reach=row, mem_blocked=blocked[chunk], single_desc=order,
+        )  # fmt: skip
+        for chunk, row in enumerate(reach.tolist())
+    ]
     # Every entry sits on some stage no faster than the fastest; the fluid bound spreads total time at full speed.
     largest = min(segment_cost(cost, order[0], order[0] + 1) for cost in costs)
     fluid = time_prefix[-1] / sum(1.0 / cost.scale for cost in costs) * (1 - 1e-9)
