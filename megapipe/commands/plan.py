@@ -128,14 +128,14 @@ def write_plan_dir(directory: str, *, result: SearchResult, setup, options: Sear
     if isinstance(result.profile, Profile):
         result.profile.save(os.path.join(directory, "profile.yaml"))
     if pictures:
-        _pictures(directory, result)
+        _pictures(directory, result, usable_gib=setup.cluster.gpu.usable_memory_bytes / 2**30)
     return document
 
 
-def _pictures(directory: str, result: SearchResult) -> None:
+def _pictures(directory: str, result: SearchResult, *, usable_gib: float) -> None:
     from megapipe.report.plots import memory_chart
 
-    memory_chart(result.best, os.path.join(directory, "memory.png"), baseline=result.baseline)
+    memory_chart(result.best, os.path.join(directory, "memory.png"), baseline=result.baseline, usable_gib=usable_gib)
     if result.best.simulation is not None:
         from megapipe.report.gantt import gantt_png
 
