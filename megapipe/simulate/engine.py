@@ -2,8 +2,8 @@
 
 An op starts when its rank is free and its one cross-op dependency (see
 ``program``) has finished, plus one p2p message when that dependency ran on
-another rank. Ranks are advanced until they block; a finishing op wakes the rank
-waiting for it, so every op is visited once (linear in the number of ops).
+another rank. Ops are timed in the execution order fixed at lowering, so every op
+is visited once (linear in the number of ops) and deadlocks were already caught.
 """
 
 from __future__ import annotations
@@ -40,45 +40,28 @@ def _tables(schedule: Schedule, times: StageTimes, p2p: P2PCost) -> tuple[list[f
     return durations, delays
 
 
-def _execute(schedule: Schedule, program: Program, durations: list[list[float]], delays: list[list[float]]):
-    """Start and end time of every op, by op id; raises ScheduleError on deadlock."""
+def _execute(schedule: Schedule, program: Program, duration_table: list[float], delay_table: list[float]):
+    """Start and end time of every op, by op id, in the lowered execution order."""
+    ops, ranks, deps, codes, delay_codes = program.flat
     count = 3 * schedule.num_stages * schedule.num_microbatches
-    start_at, end_at, waiter = [0.0] * count, [-1.0] * count, [-1] * count
-    ranks = len(program.rank_ops)
-    position, free = [0] * ranks, [0.0] * ranks
-    ready = list(range(ranks))
-    while ready:
-        rank = ready.pop()
-        ops, deps, times, waits = program.rank_ops[rank], program.deps[rank], durations[rank], delays[rank]
-        index, now, length = position[rank], free[rank], len(ops)
-        while index < length:
-            dep = deps[index]
-            if dep >= 0:
-                arrival = end_at[dep]
-                if arrival < 0.0:
-                    waiter[dep] = rank
-                    break
-                arrival += waits[index]
-                if arrival > now:
-                    now = arrival
-            op = ops[index]
-            start_at[op] = now
-            now += times[index]
-            end_at[op] = now
-            if waiter[op] >= 0:
-                ready.append(waiter[op])
-            index += 1
-        position[rank], free[rank] = index, now
-    stuck = [f"rank {r} at {schedule.orders[r][i]}" for r, i in enumerate(position) if i < len(program.rank_ops[r])]
-    if stuck:
-        raise ScheduleError(
-            f"schedule {schedule.name} deadlocks: {', '.join(stuck)} each wait for an op that a blocked rank "
-            "runs later; reorder the ops"
-        )
+    start_at, end_at = [0.0] * count, [0.0] * count
+    free = [0.0] * len(program.rank_ops)
+    durations = [duration_table[code] for code in codes]
+    delays = [delay_table[code] for code in delay_codes]
+    for op, rank, dep, duration, delay in zip(ops, ranks, deps, durations, delays):
+        now = free[rank]
+        if dep >= 0:
+            arrival = end_at[dep] + delay
+            if arrival > now:
+                now = arrival
+        start_at[op] = now
+        now += duration
+        end_at[op] = now
+        free[rank] = now
     return start_at, end_at
 
 
-def _critical_path(schedule: Schedule, program: Program, start_at, end_at, delays):
+def _critical_path(schedule: Schedule, program: Program, start_at, end_at, delay_table):
     """Walk back from the last op: to the dependency if it set the start, else to the rank's previous op."""
     m, s2r = schedule.num_microbatches, schedule.stage_to_rank
     last_ops = [(end_at[ops[-1]], rank) for rank, ops in enumerate(program.rank_ops) if ops]
@@ -88,7 +71,7 @@ def _critical_path(schedule: Schedule, program: Program, start_at, end_at, delay
     while index >= 0:
         path.append(schedule.orders[rank][index])
         op, dep = program.rank_ops[rank][index], program.deps[rank][index]
-        if dep >= 0 and start_at[op] > 0.0 and start_at[op] == end_at[dep] + delays[rank][index]:
+        if dep >= 0 and start_at[op] > 0.0 and start_at[op] == end_at[dep] + delay_table[program.delay_codes[rank][index]]:
             rank, index = s2r[dep // 3 // m], program.index_of[dep]
         elif index > 0 and start_at[op] == end_at[program.rank_ops[rank][index - 1]]:
             index -= 1
@@ -116,14 +99,12 @@ def simulate(schedule: Schedule, times: StageTimes, *, p2p: P2PCost | None = Non
     """Time ``schedule`` with per-layout-stage ``times`` and ``p2p`` message cost (zero when None)."""
     program = lower(schedule)
     duration_table, delay_table = _tables(schedule, times, p2p or P2PCost())
-    durations = [[duration_table[code] for code in codes] for codes in program.time_codes]
-    delays = [[delay_table[code] for code in codes] for codes in program.delay_codes]
-    start_at, end_at = _execute(schedule, program, durations, delays)
+    start_at, end_at = _execute(schedule, program, duration_table, delay_table)
     step = max((end_at[ops[-1]] for ops in program.rank_ops if ops), default=0.0)
     peak_bytes = _peak_bytes(program, times.act_bytes)
     stats, starts, ends = [], [], []
     for rank, ops in enumerate(program.rank_ops):
-        busy = sum(durations[rank])
+        busy = min(step, sum(duration_table[code] * count for code, count in program.code_counts[rank]))
         span = end_at[ops[-1]] - start_at[ops[0]] if ops else 0.0
         stats.append(RankStats(
             rank=rank, busy_ms=busy, idle_ms=step - busy, bubble_fraction=(step - busy) / step if step else 0.0,
@@ -135,8 +116,8 @@ def simulate(schedule: Schedule, times: StageTimes, *, p2p: P2PCost | None = Non
     return SimResult(
         schedule=schedule, step_time_ms=step,
         bubble_fraction=1.0 - busy_total / (len(stats) * step) if step else 0.0,
-        steady_bubble_fraction=1.0 - busy_total / span_total if span_total else 0.0,
+        steady_bubble_fraction=max(0.0, 1.0 - busy_total / span_total) if span_total else 0.0,
         ranks=tuple(stats), stage_peak_in_flight=program.stage_peak,
-        critical_path=_critical_path(schedule, program, start_at, end_at, delays) if step else (),
+        critical_path=_critical_path(schedule, program, start_at, end_at, delay_table) if step else (),
         start_ms=tuple(starts), end_ms=tuple(ends),
     )

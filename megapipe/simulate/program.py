@@ -1,14 +1,20 @@
-"""Lowering a Schedule to flat arrays once: validation, dependencies, in-flight counts.
+"""Lowering a Schedule to flat arrays once: validation, dependencies, in-flight counts, execution order.
 
 Op id = (stage * m + microbatch) * 3 + slot, slot 0 = F, 1 = I or B, 2 = W. Each op
 keeps at most one dependency on another op: F waits for the upstream F, I/B for
 the downstream I/B. The other dependencies (a stage's own F before its I/B, I
 before W) sit on the same rank, so they hold exactly when they come earlier in
 that rank's order; lowering checks that instead of timing them.
+
+Whether an op can run before another depends only on this structure, never on the
+times, so lowering also fixes one valid execution order (each rank advanced until
+it waits for an op not yet run; a finished op wakes the rank waiting for it) and
+detects deadlock there. Timing is then one pass over that order.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from megapipe.errors import ScheduleError
@@ -35,6 +41,10 @@ class Program:
     """Per rank, per op: +1 for F, -1 for the op that releases its activations (B or W), else 0."""
     index_of: list[int]
     """Op id -> its position in its rank's order."""
+    flat: tuple[list[int], list[int], list[int], list[int], list[int]]
+    """Execution order: op ids, ranks, dependency op ids, time codes, delay codes."""
+    code_counts: tuple[tuple[tuple[int, int], ...], ...]
+    """Per rank: (time code, how many ops have it), so busy time is a short sum."""
 
 
 def _fail(schedule: Schedule, rank: int, action: Action, problem: str) -> ScheduleError:
@@ -113,6 +123,36 @@ def _lower_rank(schedule: Schedule, rank: int, kind_at: list, stage_now: list, s
     return ops, codes, deps, delays, changes, peak
 
 
+def _execution_order(schedule: Schedule, rank_ops, rank_deps) -> list[tuple[int, int]]:
+    """(rank, index) of every op in an order that respects all dependencies; raises on deadlock."""
+    done = [False] * (3 * schedule.num_stages * schedule.num_microbatches)
+    waiter = [-1] * len(done)
+    position = [0] * len(rank_ops)
+    ready, order = list(range(len(rank_ops))), []
+    while ready:
+        rank = ready.pop()
+        ops, deps, index = rank_ops[rank], rank_deps[rank], position[rank]
+        while index < len(ops):
+            dep = deps[index]
+            if dep >= 0 and not done[dep]:
+                waiter[dep] = rank
+                break
+            op = ops[index]
+            done[op] = True
+            order.append((rank, index))
+            if waiter[op] >= 0:
+                ready.append(waiter[op])
+            index += 1
+        position[rank] = index
+    stuck = [f"rank {r} at {schedule.orders[r][i]}" for r, i in enumerate(position) if i < len(rank_ops[r])]
+    if stuck:
+        raise ScheduleError(
+            f"schedule {schedule.name} deadlocks: {', '.join(stuck)} each wait for an op that a blocked rank "
+            "runs later; reorder the ops"
+        )
+    return order
+
+
 def lower(schedule: Schedule) -> Program:
     """Validate ``schedule`` and lower it; memoised on the schedule record."""
     if isinstance(schedule.lowered, Program):
@@ -127,9 +167,13 @@ def lower(schedule: Schedule) -> Program:
     if missing:
         raise ScheduleError(f"schedule {schedule.name} never runs the {missing}; every op must occur once")
     ops, codes, deps, delays, changes, peaks = zip(*per_rank) if per_rank else ((),) * 6
+    order = _execution_order(schedule, ops, deps)
+    flat = tuple([table[r][i] for r, i in order] for table in (ops, [[r] * len(o) for r, o in enumerate(ops)],
+                                                               deps, codes, delays))
     program = Program(
         rank_ops=ops, time_codes=codes, deps=deps, delay_codes=delays, stage_peak=tuple(stage_peak),
-        rank_peak=tuple(peaks), act_deltas=changes, index_of=index_of,
+        rank_peak=tuple(peaks), act_deltas=changes, index_of=index_of, flat=flat,
+        code_counts=tuple(tuple(sorted(Counter(rank_codes).items())) for rank_codes in codes),
     )
     object.__setattr__(schedule, "lowered", program)
     return program
