@@ -173,12 +173,6 @@ class Evaluator:
         per_layer = [decoder.static_bytes + k * decoder.act_bytes for k in least]
         return _water_level(pinned, per_layer, self.model.num_layers)
 
-    def _decoder(self, cand: Candidate):
-        for layer in self.profile(cand).layers:
-            if layer.kind == LayerKind.decoder:
-                return layer
-        return None
-
     # -- exact -----------------------------------------------------------------------
     def schedule(self, cand: Candidate):
         par = cand.parallel
