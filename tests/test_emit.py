@@ -190,6 +190,7 @@ def test_as_dict_is_json_ready():
         ("t*4|Et*4L", 2, 1, "start with exactly one embedding"),
         ("Et*4L|t*4", 2, 1, "end with exactly one loss"),
         ("Et*4|mtL", 2, 1, "after an MTP layer"),
+        ("Et*4|t*4L", 1, 2, "needs pipeline_model_parallel_size > 1"),
     ],
 )
 def test_invalid_layouts_raise_config_error(layout, pp, vp, match):
@@ -243,10 +244,10 @@ def test_equal_split_matches_megatron_default(num_layers, pp, vp):
 @st.composite
 def partitions(draw):
     pp = draw(st.integers(1, 8))
-    vp = draw(st.integers(1, 3))
+    vp = draw(st.integers(1, 3)) if pp > 1 else 1  # Megatron-LM interleaves only with pp > 1
     n = pp * vp
     counts = [draw(st.integers(0 if i in (0, n - 1) else 1, 12)) for i in range(n)]
-    mtp = draw(st.integers(0, 2)) if counts[-1] > 0 and not (pp == 1 and vp > 1) else 0
+    mtp = draw(st.integers(0, 2)) if counts[-1] > 0 else 0
     stages = [[T] * count for count in counts]
     stages[0].insert(0, E)
     stages[-1].extend([M] * mtp + [L])

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from megapipe.emit.megatron import megatron_args
 from megapipe.emit.overrides import bridge_settings, nemo1_settings, nemo2_settings, to_overrides
 from megapipe.emit.quoting import shell_join
-from megapipe.emit.stages import decoder_counts, equal_stage_kinds, is_equal_split, validate_stages
+from megapipe.emit.stages import StageKinds, decoder_counts, equal_stage_kinds, is_equal_split, validate_stages
 from megapipe.errors import ConfigError
 from megapipe.layout import format_layout, parse_layout
 from megapipe.records import LayerKind, ParallelSpec, Partition, TrainSpec
@@ -36,14 +36,17 @@ class Emitted:
 
     @property
     def bridge_command(self) -> str:
+        """The Megatron-Bridge overrides as one shell line."""
         return shell_join(self.bridge_overrides)
 
     @property
     def nemo2_command(self) -> str:
+        """The NeMo 2 overrides as one shell line."""
         return shell_join(self.nemo2_overrides)
 
     @property
     def nemo1_command(self) -> str:
+        """The NeMo 1 overrides as one shell line."""
         return shell_join(self.nemo1_overrides)
 
     def as_dict(self) -> dict[str, object]:
@@ -70,6 +73,11 @@ def _check_sizes(partition: Partition, parallel: ParallelSpec) -> None:
             f"partition was planned for (pipeline, virtual) sizes {planned} but parallel has {given}; "
             "re-partition with the same parallel settings"
         )
+    if parallel.virtual_pipeline_model_parallel_size > 1 and parallel.pipeline_model_parallel_size == 1:
+        raise ConfigError(
+            f"virtual_pipeline_model_parallel_size={parallel.virtual_pipeline_model_parallel_size} needs "
+            "pipeline_model_parallel_size > 1 (Megatron-LM asserts it); set virtual_pipeline_model_parallel_size=1"
+        )
     if partition.layout and parse_layout(partition.layout) != tuple(tuple(k) for k in partition.stage_kinds):
         raise ConfigError(
             f"partition layout {partition.layout!r} disagrees with its stage_kinds "
@@ -77,7 +85,7 @@ def _check_sizes(partition: Partition, parallel: ParallelSpec) -> None:
         )
 
 
-def _nemo1_warnings(stage_kinds, parallel: ParallelSpec) -> list[str]:
+def _nemo1_warnings(stage_kinds: StageKinds, parallel: ParallelSpec) -> list[str]:
     sizes = {
         "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
         "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline_model_parallel_size,
