@@ -24,7 +24,7 @@ def gantt_png(result: SimResult, path: str, *, title: str | None = None, label_o
 
     schedule = result.schedule
     ranks = len(schedule.orders)
-    figure, axes = plt.subplots(figsize=(12, 1.0 + 0.45 * ranks), dpi=100)
+    figure, axes = plt.subplots(figsize=(12, 1.4 + 0.45 * ranks), dpi=100)
     label_ops = schedule.num_ops <= 400 if label_ops is None else label_ops
     for rank, (order, starts, ends) in enumerate(zip(schedule.orders, result.start_ms, result.end_ms)):
         for kind in KIND_COLOURS:
@@ -46,7 +46,8 @@ def gantt_png(result: SimResult, path: str, *, title: str | None = None, label_o
     ))
     used = {a.kind for order in schedule.orders for a in order}
     handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLOURS[k]) for k in KIND_COLOURS if k in used]
-    axes.legend(handles, [_LABELS[k] for k in KIND_COLOURS if k in used], loc="upper right", fontsize=7)
+    axes.legend(handles, [_LABELS[k] for k in KIND_COLOURS if k in used], loc="upper center", fontsize=7,
+                bbox_to_anchor=(0.5, -0.12 - 0.5 / ranks), ncol=len(handles), frameon=False)
     figure.tight_layout()
     figure.savefig(path, format="png", metadata={"Software": None})
     plt.close(figure)
