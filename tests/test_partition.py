@@ -365,3 +365,23 @@ def test_evaluate_reports_a_given_split():
     assert part.layout == "Et*3|t*3L" and part.stage_time_ms == (11.0, 11.0) and part.method == "given"
     with pytest.raises(ConfigError, match="must sum to the profile's 8 entries"):
         evaluate(layers, stages, layers_per_stage=(4, 3), num_microbatches=4)
+
+
+def test_entry_too_big_for_a_small_middle_stage_skips_it():
+    # The heavy entry fits stages 0 and 2 but not stage 1, so stage 1 must end before it or start after it.
+    layers = [_layer(LayerKind.decoder, 1.0, 1.0, UNIT, 0.0) for _ in range(6)]
+    layers[3] = _layer(LayerKind.decoder, 1.0, 1.0, 8.0 * UNIT, 0.0)
+    stages = [StageSpec(), StageSpec(memory_bytes=4.0 * UNIT), StageSpec()]
+    part = solve(layers, stages, num_microbatches=1)
+    best, bounds = _brute(layers, [1.0] * 3, [s.memory_bytes for s in stages], (1, 1, 1))
+    assert part.bottleneck_ms == best == 6.0
+    first, second, _ = part.layers_per_stage
+    assert not first <= 3 < first + second
+
+
+def test_virtual_stage_error_names_the_share():
+    pytest.importorskip("megapipe.schedules")
+    layers = [_layer(LayerKind.decoder, 1.0, 2.0, 2.0 * GIB, 1.0 * GIB) for _ in range(8)]
+    with pytest.raises(InfeasibleError, match=r"^stage \d needs at least .* GiB but has .* GiB \(its share of pipeline rank \d's 8\.0 GiB\) \(over by"):
+        solve(layers, [StageSpec(memory_bytes=8.0 * GIB)] * 2, num_microbatches=4,
+              schedule="interleaved_1f1b", virtual_pipeline_model_parallel_size=2)

@@ -11,6 +11,12 @@ balancing algorithms for 1D partitioning", JPDC 2004), with a feasibility probe
 that tracks the full *set* of reachable prefix lengths instead of one greedy
 frontier. With heterogeneous stages an entry may fit some stages and not others,
 so the reachable set can have holes; it is kept as sorted disjoint intervals.
+Stage ``j``'s reach ``r_j(a)`` (the last stop whose segment from ``a`` fits ``B`` and
+memory) never decreases in ``a``, so stop ``b`` is reachable after stage ``j`` iff
+``r_j(pred(b)) >= b`` with ``pred(b)`` the largest reachable start below ``b``: each
+interval ``[lo, hi]`` yields the stops ``e + 1`` of the entries ``e`` in it that fit
+alone, plus ``[hi + 2, r_j(hi)]`` up to the next interval. Stops that leave fewer
+entries than remaining stages are cut off (every stage holds at least one entry).
 Bound ``B`` is feasible iff ``n`` is reachable after the last stage. Both ends of
 the search snap to achieved values: a feasible probe lowers the upper bound to
 the bottleneck of the partition it found; an infeasible probe raises the lower
