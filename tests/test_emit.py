@@ -32,7 +32,7 @@ E, T, M, L = LayerKind.embedding, LayerKind.decoder, LayerKind.mtp, LayerKind.lo
 PARSER = OverridesParser.create()
 
 
-def make_partition(stage_kinds, *, pp: int, vp: int = 1) -> Partition:
+def make_partition(stage_kinds, *, pp: int, vp: int = 1, schedule: str | None = None) -> Partition:
     stage_kinds = tuple(tuple(kinds) for kinds in stage_kinds)
     n = len(stage_kinds)
     return Partition(
@@ -46,6 +46,7 @@ def make_partition(stage_kinds, *, pp: int, vp: int = 1) -> Partition:
         layout=format_layout(stage_kinds),
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
+        schedule=schedule or ("interleaved_1f1b" if vp > 1 else "1f1b"),
     )
 
 
@@ -168,6 +169,15 @@ def test_sequence_parallel_without_tensor_parallel_is_dropped_with_warning():
     out = emit(partition=make_partition(parse_layout("Et*2|t*2|t*2|t*2L"), pp=4), parallel=parallel, train=TrainSpec())
     assert "--sequence-parallel" not in out.megatron_args
     assert any("sequence_parallel" in warning for warning in out.warnings)
+
+
+@pytest.mark.parametrize(("schedule", "vp", "count"), [("1f1b", 1, 0), ("zb_h1", 1, 1), ("gpipe", 1, 1), ("zb_v", 2, 2)])
+def test_schedules_megatron_cannot_run_are_warned(schedule, vp, count):
+    stages = parse_layout("Et*2|t*2|t*2|t*2L" if vp == 1 else "Et|t|t|t|t|t|t|tL")
+    parallel = ParallelSpec(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=vp)
+    out = emit(partition=make_partition(stages, pp=4, vp=vp, schedule=schedule), parallel=parallel, train=TrainSpec())
+    schedule_warnings = [w for w in out.warnings if "schedule" in w or "V-shaped" in w]
+    assert len(schedule_warnings) == count
 
 
 def test_as_dict_is_json_ready():

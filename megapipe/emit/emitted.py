@@ -14,6 +14,10 @@ from megapipe.records import LayerKind, ParallelSpec, Partition, TrainSpec
 
 __all__ = ["Emitted", "emit"]
 
+MEGATRON_SCHEDULES = ("1f1b", "interleaved_1f1b")
+"""What megatron-core 0.16-0.19 ``get_forward_backward_func()`` runs for pipeline_model_parallel_size > 1."""
+_V_SHAPED = ("zb_v", "dualpipe_v")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Emitted:
@@ -109,6 +113,20 @@ def _nemo1_warnings(stage_kinds: StageKinds, parallel: ParallelSpec) -> list[str
     return warnings
 
 
+def _schedule_warnings(partition: Partition) -> list[str]:
+    schedule = partition.schedule
+    if schedule in MEGATRON_SCHEDULES or partition.pipeline_model_parallel_size == 1:
+        return []
+    runs = "interleaved 1F1B" if partition.virtual_pipeline_model_parallel_size > 1 else "1F1B"
+    warnings = [f"megatron-core has no {schedule} schedule; Megatron will run this layout with {runs}"]
+    if schedule in _V_SHAPED:
+        warnings.append(
+            f"the {schedule} V-shaped placement (rank r holds stages r and 2P-1-r) cannot be expressed: "
+            "Megatron's layout puts stage s on rank s mod pipeline_model_parallel_size"
+        )
+    return warnings
+
+
 def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec) -> Emitted:
     """Write ``partition`` for every front end; raise ConfigError if Megatron could not run it."""
     _check_sizes(partition, parallel)
@@ -127,5 +145,5 @@ def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec) -> E
         bridge_overrides=to_overrides(bridge_settings(layout=layout, parallel=parallel, train=train)),
         nemo2_overrides=to_overrides(nemo2_settings(layout=layout, parallel=parallel, train=train)),
         nemo1_overrides=to_overrides(nemo1_settings(parallel=parallel, train=train)),
-        warnings=tuple(warnings + _nemo1_warnings(partition.stage_kinds, parallel)),
+        warnings=tuple(warnings + _schedule_warnings(partition) + _nemo1_warnings(partition.stage_kinds, parallel)),
     )
