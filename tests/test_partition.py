@@ -214,6 +214,7 @@ def _megatron_profile(num_layers):
     )
 
 
+@pytest.mark.engine
 def test_equal_matches_megatron_uniform_split():
     pytest.importorskip("megatron.core")
     import torch
