@@ -49,8 +49,6 @@ def _device_name(requested: str | None, *, torch_name: str, gpu_name: str) -> st
 
 
 def run(cfg: DictConfig) -> None:
-    import torch.distributed as dist
-
     from megapipe.cli import output_dir
     from megapipe.config import to_setup
     from megapipe.profile.measure import MeasureOptions, measure_profile
@@ -72,7 +70,7 @@ def run(cfg: DictConfig) -> None:
         meta["gpu_bf16_tflops"] = f"{gpu.bf16_tflops:g}"
     meta["data_parallel_size"] = str(parallel.data_parallel_size)
     profile = Profile(layers=profile.layers, device=device, meta=tuple(meta.items()))
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every TP rank measured; rank 0 writes
         return
     path = options.get("out") or os.path.join(output_dir(cfg), "profile.yaml")
     profile.save(path)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import platform
 import statistics
 from collections.abc import Callable, Iterator
@@ -153,14 +154,18 @@ def _megatron_session(*, device: str, parallel: ParallelSpec, seed: int) -> Iter
     tp = parallel.tensor_model_parallel_size
     own_group = not dist.is_initialized()
     if own_group:
-        if tp != 1:
+        backend = "nccl" if device == "cuda" else "gloo"
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1:  # torchrun: rendezvous through its MASTER_ADDR / MASTER_PORT environment
+            dist.init_process_group(backend)
+        elif tp != 1:
             raise ConfigError(
                 f"parallel.tensor_model_parallel_size={tp} needs {tp} processes; launch with "
                 f"`torchrun --nproc-per-node {tp}` or profile with tensor_model_parallel_size=1"
             )
-        backend = "nccl" if device == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != tp:
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != tp:
         raise ConfigError(
             f"world size {dist.get_world_size()} != parallel.tensor_model_parallel_size={tp}; "
             "launch as many processes as the tensor-parallel size"
@@ -245,14 +250,22 @@ def _build_gpt(*, model: ModelSpec, train: TrainSpec, parallel: ParallelSpec, dt
         recompute_method="uniform" if recompute == Recompute.full and device != "cpu" else None,
         recompute_num_layers=1 if recompute == Recompute.full and device != "cpu" else None,
     )
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=normalization),
-        vocab_size=model.vocab_size,
-        max_sequence_length=train.seq_length,
-        position_embedding_type=model.position_embedding_type,
-        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-    )
+    try:
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization=normalization),
+            vocab_size=model.vocab_size,
+            max_sequence_length=train.seq_length,
+            position_embedding_type=model.position_embedding_type,
+            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        )
+    except AssertionError as exc:
+        if "sequence parallel" in str(exc):
+            raise ConfigError(
+                "sequence parallelism needs apex or Transformer Engine norms, which this install lacks; "
+                "profile with parallel.sequence_parallel=false"
+            ) from None
+        raise
     # Without apex/TE the norms keep fp32 weights; cast everything so the CPU path runs in one dtype.
     return gpt.to(device=device, dtype=dtype)
 
