@@ -42,7 +42,8 @@ def main() -> None:
             closed = "-" if row.closed_form is None else f"{100 * row.closed_form:.2f}%"
             writeup = "-" if row.writeup_percent is None else f"{row.writeup_percent}%"
             print(f"| {row.schedule} | {row.virtual_pipeline_model_parallel_size} | {closed} | "
-                  f"{100 * row.simulated:.2f}% | {100 * row.simulated_steady:.2f}% | {row.peak_in_flight} | {writeup} |")
+                  f"{100 * row.simulated:.2f}% | {100 * row.simulated_steady:.2f}% | "
+                  f"{row.peak_in_flight} | {writeup} |")
 
 
 if __name__ == "__main__":

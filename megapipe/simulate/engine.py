@@ -71,7 +71,8 @@ def _critical_path(schedule: Schedule, program: Program, start_at, end_at, delay
     while index >= 0:
         path.append(schedule.orders[rank][index])
         op, dep = program.rank_ops[rank][index], program.deps[rank][index]
-        if dep >= 0 and start_at[op] > 0.0 and start_at[op] == end_at[dep] + delay_table[program.delay_codes[rank][index]]:
+        arrival = end_at[dep] + delay_table[program.delay_codes[rank][index]] if dep >= 0 else -1.0
+        if start_at[op] > 0.0 and start_at[op] == arrival:
             rank, index = s2r[dep // 3 // m], program.index_of[dep]
         elif index > 0 and start_at[op] == end_at[program.rank_ops[rank][index - 1]]:
             index -= 1
