@@ -46,6 +46,9 @@ __all__ = [
     "measured_stage_times",
     "Comparison",
     "compare",
+    "VALIDATION_SCHEDULES",
+    "validation_case",
+    "megapipe_schedule_for",
 ]
 
 TORCH_SCHEDULE_CLASSES: dict[str, type] = {
@@ -147,6 +150,8 @@ class RunCase:
     """Backward sleep on the weight path (W) per global stage."""
     hidden_size: int = 64
     micro_batch_size: int = 2
+    label: str = ""
+    """Row name in reports; the torch schedule name when empty."""
 
     @property
     def num_stages(self) -> int:
@@ -176,8 +181,18 @@ class CaseResult:
     """[step][rank]: actions in execution order."""
 
     @property
-    def step_time_ms(self) -> list[float]:
+    def step_call_ms(self) -> list[float]:
+        """First rank entering schedule.step() to the last one leaving it, per step."""
         return [1e3 * (max(e) - min(s)) for s, e in zip(self.step_starts_s, self.step_ends_s)]
+
+    @property
+    def step_time_ms(self) -> list[float]:
+        """First op's start to last op's end over all ranks, per step: the simulator's
+        step_time_ms. It leaves out the ranks' skew leaving the barrier before step()."""
+        return [
+            1e3 * (max(r[-1].end_s for r in step) - min(r[0].start_s for r in step))
+            for step in self.actions
+        ]
 
     def busy_ms(self, step: int) -> list[float]:
         return [1e3 * sum(a.end_s - a.start_s for a in rank) for rank in self.actions[step]]
@@ -443,7 +458,9 @@ def runtime_gaps_ms(result: CaseResult) -> tuple[float, float]:
     ready before the first op ended (torch's Python between two computes: posting
     sends and receives, loss, bookkeeping). Message latency: mean time from the end of
     the producing op on another rank to the start of an op that waited for it, less the
-    dispatch overhead that gap also contains.
+    dispatch overhead that gap also contains. The overhead is a mean because every op
+    pays it; the latency is a median because a few waits are stretched by the schedule
+    itself (DualPipeV's runtime posts the send of an overlapped F only after the pair's B).
     """
     case = result.case
     placement = stage_to_rank(case.name, pipeline_model_parallel_size=case.pipeline_model_parallel_size, num_stages=case.num_stages)
@@ -460,7 +477,7 @@ def runtime_gaps_ms(result: CaseResult) -> tuple[float, float]:
                 elif ready > previous.end_s:
                     waits.append(action.start_s - ready)
     overhead = statistics.fmean(free_gaps)
-    latency = max(0.0, statistics.fmean(waits) - overhead) if waits else 0.0
+    latency = max(0.0, statistics.median(waits) - overhead) if waits else 0.0
     return 1e3 * overhead, 1e3 * latency
 
 
@@ -496,7 +513,7 @@ class Comparison:
 
     name: str
     measured_step_ms: float
-    """Median over measured steps."""
+    """Median over measured steps of CaseResult.step_time_ms."""
     predicted_step_ms: float
     measured_bubble: float
     """1 - (sum of op times + dispatch overhead per op) / (P * step), median over steps."""
@@ -515,17 +532,41 @@ class Comparison:
         return self.predicted_bubble - self.measured_bubble
 
 
+def _one_step(result: CaseResult, index: int) -> CaseResult:
+    return CaseResult(
+        case=result.case, p2p_ms=result.p2p_ms, step_starts_s=[result.step_starts_s[index]],
+        step_ends_s=[result.step_ends_s[index]], actions=[result.actions[index]],
+    )
+
+
+def _compare_step(step: CaseResult, schedule, latency_ms: float | None) -> dict:
+    from megapipe.simulate import P2PCost, simulate
+
+    overhead, timeline_latency = runtime_gaps_ms(step)
+    latency = timeline_latency if latency_ms is None else latency_ms
+    sim = simulate(schedule, measured_stage_times(step, overhead_ms=overhead), p2p=P2PCost(latency_ms=latency))
+    step_ms = step.step_time_ms[0]
+    busy = [b + overhead * len(ops) for b, ops in zip(step.busy_ms(0), step.actions[0])]
+    return {
+        "measured_step_ms": step_ms,
+        "predicted_step_ms": sim.step_time_ms,
+        "measured_bubble": 1.0 - sum(busy) / (len(busy) * step_ms),
+        "predicted_bubble": sim.bubble_fraction,
+        "overhead_ms": overhead,
+        "latency_ms": latency,
+        "measured_idle_ms": tuple(step_ms - b for b in busy),
+        "predicted_idle_ms": tuple(r.idle_ms for r in sim.ranks),
+    }
+
+
 def compare(result: CaseResult, schedule=None, *, latency_ms: float | None = None) -> Comparison:
-    """Simulate ``schedule`` (default: the order the ranks executed) with the measured costs.
+    """Simulate ``schedule`` (default: the order the ranks executed) with each measured
+    step's own op means, dispatch overhead and latency; every figure is the median over steps.
 
     ``latency_ms`` overrides the message latency read from the timeline (e.g. the gloo
     ping-pong figure ``result.p2p_ms``).
     """
-    from megapipe.simulate import P2PCost, simulate
-
     case = result.case
-    overhead, timeline_latency = runtime_gaps_ms(result)
-    latency = timeline_latency if latency_ms is None else latency_ms
     if schedule is None:
         schedule = to_schedule(
             case.name, pipeline_model_parallel_size=case.pipeline_model_parallel_size,
@@ -533,22 +574,62 @@ def compare(result: CaseResult, schedule=None, *, latency_ms: float | None = Non
             num_stages_per_rank=case.num_stages // case.pipeline_model_parallel_size,
             orders=result.executed_order(0),
         )
-    sim = simulate(schedule, measured_stage_times(result, overhead_ms=overhead), p2p=P2PCost(latency_ms=latency))
-    steps = result.step_time_ms
-    idle, bubbles = [], []
-    for index, step_ms in enumerate(steps):
-        busy = [b + overhead * len(ops) for b, ops in zip(result.busy_ms(index), result.actions[index])]
-        idle.append([step_ms - b for b in busy])
-        bubbles.append(1.0 - sum(busy) / (len(busy) * step_ms))
-    median_step = statistics.median(steps)
-    return Comparison(
-        name=case.name,
-        measured_step_ms=median_step,
-        predicted_step_ms=sim.step_time_ms,
-        measured_bubble=statistics.median(bubbles),
-        predicted_bubble=sim.bubble_fraction,
-        overhead_ms=overhead,
-        latency_ms=latency,
-        measured_idle_ms=tuple(statistics.median(column) for column in zip(*idle)),
-        predicted_idle_ms=tuple(r.idle_ms for r in sim.ranks),
+    rows = [_compare_step(_one_step(result, i), schedule, latency_ms) for i in range(len(result.actions))]
+
+    def median(key):
+        values = [row[key] for row in rows]
+        if isinstance(values[0], tuple):
+            return tuple(statistics.median(column) for column in zip(*values))
+        return statistics.median(values)
+
+    return Comparison(name=case.label or case.name, **{key: median(key) for key in rows[0]})
+
+
+# --------------------------------------------------------------------------------------------
+# The validation set shared by tests/test_simulate_real_runs.py and scripts/validate_simulator.py
+# --------------------------------------------------------------------------------------------
+
+VALIDATION_SCHEDULES: dict[str, tuple[str, str | None, int]] = {
+    "GPipe": ("GPipe", "gpipe", 1),
+    "1F1B": ("1F1B", "1f1b", 1),
+    "Interleaved1F1B": ("Interleaved1F1B", "interleaved_1f1b", 2),
+    "InterleavedZeroBubble v=1": ("InterleavedZeroBubble", "zb_h1", 1),
+    "InterleavedZeroBubble v=2": ("InterleavedZeroBubble", None, 2),
+    "ZBVZeroBubble": ("ZBVZeroBubble", "zb_v", 2),
+    "DualPipeV": ("DualPipeV", "dualpipe_v", 2),
+}
+"""label -> (torch schedule, megapipe schedule, stages per rank); None: megapipe has no
+builder for it, the simulator runs torch's order."""
+
+_FWD_MS = (4.0, 6.0, 5.0, 3.0, 5.0, 3.0, 4.0, 6.0)
+_INPUT_GRAD_MS = (4.0, 6.0, 5.0, 3.0, 5.0, 3.0, 4.0, 6.0)
+_WGRAD_MS = (3.0, 4.0, 4.0, 2.0, 4.0, 2.0, 3.0, 4.0)
+
+
+def validation_case(label: str, *, pipeline_model_parallel_size: int = 4, num_microbatches: int = 8, scale: float = 1.0) -> RunCase:
+    """Uneven per-stage sleeps (ms, times ``scale``), cycling through an 8-stage pattern."""
+    name, _, chunks = VALIDATION_SCHEDULES[label]
+    stages = pipeline_model_parallel_size * chunks
+
+    def pick(pattern):
+        return tuple(scale * pattern[s % len(pattern)] for s in range(stages))
+
+    return RunCase(
+        name=name, pipeline_model_parallel_size=pipeline_model_parallel_size, num_microbatches=num_microbatches,
+        fwd_ms=pick(_FWD_MS), input_grad_ms=pick(_INPUT_GRAD_MS), wgrad_ms=pick(_WGRAD_MS), label=label,
+    )
+
+
+def megapipe_schedule_for(case: RunCase):
+    """megapipe's own schedule for the case, or torch's order where megapipe has no builder."""
+    from megapipe.schedules import build
+
+    _, megapipe_name, chunks = VALIDATION_SCHEDULES[case.label]
+    pp, m = case.pipeline_model_parallel_size, case.num_microbatches
+    if megapipe_name is None:
+        return to_schedule(case.name, pipeline_model_parallel_size=pp, num_microbatches=m, num_stages_per_rank=chunks)
+    group = m // max(1, m // pp) if megapipe_name == "interleaved_1f1b" else None
+    return build(
+        megapipe_name, pipeline_model_parallel_size=pp, num_microbatches=m,
+        virtual_pipeline_model_parallel_size=chunks, microbatch_group_size_per_vp_stage=group,
     )

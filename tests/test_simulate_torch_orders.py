@@ -109,28 +109,26 @@ def test_v_schedules_equal_torch_or_both_reject(torch_name, name, pp, m):
 @st.composite
 def zero_bubble_case(draw):
     pp = draw(pipeline_sizes)
-    m = draw(st.integers(min_value=pp, max_value=4 * pp).filter(lambda m: m % max(1, m // pp) == 0))
+    m = draw(st.integers(min_value=1, max_value=4 * pp).filter(lambda m: m % max(1, m // pp) == 0))
     return pp, m, draw(op_ms), draw(op_ms), draw(op_ms)
 
 
 @settings(max_examples=60, deadline=None)
 @given(case=zero_bubble_case())
-def test_torch_zb1p_one_chunk_vs_zb_h1(case):
-    """torch's InterleavedZeroBubble with one stage per rank is a ZB-H1 order: same ops per
-    rank as megapipe's zb_h1, step time m(F+B+W) + (P-1)(F+B-W) (Qi et al. 2024) when W <= min(F, B),
-    never above that bound, and never slower than megapipe's zb_h1 order."""
+def test_torch_zb1p_one_chunk_equals_zb_h1(case):
+    """torch's InterleavedZeroBubble with one stage per rank is ZB-H1: megapipe's zb_h1 order
+    exactly, with step time m(F+B+W) + (P-1)(F+B-W) (Qi et al. 2024) when W <= min(F, B) and
+    m >= P, and never below that bound."""
     pp, m, fwd, igrad, wgrad = case
     torch_schedule = to_schedule("InterleavedZeroBubble", pipeline_model_parallel_size=pp, num_microbatches=m)
-    megapipe = build("zb_h1", pipeline_model_parallel_size=pp, num_microbatches=m)
-    for ours, theirs in zip(megapipe.orders, torch_schedule.orders):
-        assert Counter(ours) == Counter(theirs)
+    assert torch_schedule.orders == build("zb_h1", pipeline_model_parallel_size=pp, num_microbatches=m).orders
     times = StageTimes.uniform(pp, fwd_ms=fwd, input_grad_ms=igrad, wgrad_ms=wgrad)
     torch_ms = simulate(torch_schedule, times).step_time_ms
     closed_form = m * (fwd + igrad + wgrad) + (pp - 1) * (fwd + igrad - wgrad)
-    assert torch_ms >= closed_form - 1e-9
-    if wgrad <= min(fwd, igrad):
+    if m >= pp:
+        assert torch_ms >= closed_form - 1e-9
+    if m >= pp and wgrad <= min(fwd, igrad):
         assert torch_ms == pytest.approx(closed_form)
-    assert torch_ms <= simulate(megapipe, times).step_time_ms + 1e-9
 
 
 @settings(max_examples=40, deadline=None)
