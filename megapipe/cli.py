@@ -33,6 +33,8 @@ Config groups live in hydra_conf/ (model=, cluster=, parallel=, train=, schedule
 Add your own with hydra.searchpath=[file:///your/conf]. `megapipe COMMAND --help` shows Hydra's help."""
 
 _MAX_PRECHECK = 64
+_FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-dir", "-cd",
+                     "--experimental-rerun")
 
 
 def _fail(command: str, message: str) -> int:
@@ -56,9 +58,12 @@ def output_dir(cfg) -> str:
 def _split_args(rest: Sequence[str]) -> tuple[list[str], list[str], bool]:
     """Return (overrides, hydra flags, multirun); bare paths become ``input=...``."""
     overrides, flags, multirun, paths = [], [], False, []
-    for arg in rest:
+    args = iter(rest)
+    for arg in args:
         if arg in ("-m", "--multirun"):
             multirun = True
+        elif arg in _FLAGS_WITH_VALUE:
+            flags += [arg, next(args, "")]
         elif arg.startswith("-"):
             flags.append(arg)
         elif "=" in arg:

@@ -130,8 +130,9 @@ def _print_table(setup: Setup, specs, optimal: Partition, result: dict) -> None:
     for column in ("stage", "rank", "layers", "time ms", "static GiB", "act GiB", "total GiB", "headroom GiB"):
         table.add_column(column, justify="right")
     pp = par.pipeline_model_parallel_size
+    ranks = optimal.stage_to_rank or tuple(stage % pp for stage in range(len(optimal.stage_kinds)))
     for stage, kinds in enumerate(optimal.stage_kinds):
-        rank = stage % pp
+        rank = ranks[stage]
         act = optimal.stage_in_flight[stage] * optimal.stage_act_bytes[stage]
         cap = specs[rank].memory_bytes
         table.add_row(str(stage), str(rank), _describe_stage(kinds), f"{optimal.stage_time_ms[stage]:.2f}",

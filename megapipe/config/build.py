@@ -3,7 +3,8 @@
 ``to_setup(cfg)`` validates across groups and returns a frozen :class:`Setup`.
 Parallel and train fields left null are search dimensions for ``megapipe plan``;
 every other command fills them with the write-ups' 70B setting (TP=4, PP=8,
-VP=1, CP=1, sequence parallel when TP>1, micro-batch 1, no recompute, 1F1B).
+VP=1, CP=1, sequence parallel when TP>1, micro-batch 1, no recompute, 1F1B), with
+TP and PP capped to the largest divisors of the node and cluster sizes.
 """
 
 from __future__ import annotations
@@ -170,12 +171,23 @@ def _cluster_spec(node: DictConfig) -> ClusterSpec:
     )
 
 
-def _fill(cfg: DictConfig) -> tuple[dict, frozenset[str]]:
+def _largest_divisor(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _fill(cfg: DictConfig, cluster: ClusterSpec) -> tuple[dict, frozenset[str]]:
     values = {key: cfg.parallel.get(key) for key in SEARCHABLE if key in cfg.parallel}
     values["micro_batch_size"] = cfg.train.micro_batch_size
     values["recompute_granularity"] = cfg.train.recompute_granularity
     values["schedule"] = cfg.schedule.name
     fixed = frozenset(key for key, value in values.items() if value is not None)
+    # The write-ups' TP=4, PP=8, capped to what the cluster can hold (TP inside a node).
+    if values.get("tensor_model_parallel_size") is None:
+        values["tensor_model_parallel_size"] = _largest_divisor(
+            cluster.gpus_per_node, DEFAULT_FILL["tensor_model_parallel_size"])
+    if values.get("pipeline_model_parallel_size") is None:
+        rest = cluster.num_gpus // int(values["tensor_model_parallel_size"]) or 1
+        values["pipeline_model_parallel_size"] = _largest_divisor(rest, DEFAULT_FILL["pipeline_model_parallel_size"])
     for key, value in DEFAULT_FILL.items():
         if values.get(key) is None:
             values[key] = value
@@ -188,7 +200,7 @@ def to_setup(cfg: DictConfig) -> Setup:
     """Validate the composed config and turn it into records (nulls filled from DEFAULT_FILL)."""
     model = _model_spec(cfg.model)
     cluster = _cluster_spec(cfg.cluster)
-    values, fixed = _fill(cfg)
+    values, fixed = _fill(cfg, cluster)
     tp, pp, cp = (int(values[k]) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
     vp = int(values["virtual_pipeline_model_parallel_size"])
     for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
