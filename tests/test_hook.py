@@ -124,7 +124,7 @@ def _megatron_like_step(config, *, m, sleep_s=0.0):
 
 def test_pipeline_size_one_measures_without_bubble():
     config = _config()
-    hook = attach([config])
+    hook = attach([config], gather_every=1)
     _megatron_like_step(config, m=3, sleep_s=0.002)
     report = hook.last_report
     assert report.pipeline is None and report.measured_bubble_fraction is None
@@ -151,7 +151,7 @@ def test_fault_inside_hook_is_logged_once_and_restores_timers(caplog):
         calls.append(report)
         raise ValueError("broken consumer")
 
-    hook = attach(config, on_report=broken)
+    hook = attach(config, gather_every=1, on_report=broken)
     with caplog.at_level(logging.ERROR, logger="megapipe.monitor"):
         for _ in range(3):
             _megatron_like_step(config, m=2)
@@ -162,7 +162,7 @@ def test_fault_inside_hook_is_logged_once_and_restores_timers(caplog):
 
 def test_capacity_overflow_skips_the_step_and_warns_once(caplog):
     config = _config()
-    hook = attach(config, capacity=16)
+    hook = attach(config, gather_every=1, capacity=16)
     with caplog.at_level(logging.WARNING, logger="megapipe.monitor"):
         _megatron_like_step(config, m=20)
         _megatron_like_step(config, m=20)

@@ -388,7 +388,7 @@ def attach(
     models: Any,
     *,
     pipeline_group: Any = "auto",
-    gather_every: int = 1,
+    gather_every: int = 10,
     capacity: int = 8192,
     warn_threshold: float = 0.05,
     plan_bubble_fraction: float | None = None,
