@@ -105,8 +105,9 @@ def stage_times(records: Iterable[dict], *, skip_steps: int = 1) -> list[list[fl
     steps (warm-up) when later ones exist.
     """
     rows = [r for r in records if r["kind"] == "pipeline" and r.get("stage_forward_ms")]
-    if len(rows) > skip_steps:
-        rows = rows[skip_steps:]
+    steps = sorted({r["step"] for r in rows})
+    if len(steps) > skip_steps:
+        rows = [r for r in rows if r["step"] >= steps[skip_steps]]
     if not rows:
         raise ConfigError("the monitor log has no pipeline records with stage times; run with pipeline size > 1 "
                           "and the schedule hook on")
