@@ -124,10 +124,11 @@ def _megatron_like_step(config, *, m, sleep_s=0.0):
 
 def test_pipeline_size_one_measures_without_bubble():
     config = _config()
-    hook = attach([config], gather_every=1)
+    hook = attach([config], gather_every=1, plan=0.25)
     _megatron_like_step(config, m=3, sleep_s=0.002)
     report = hook.last_report
     assert report.pipeline is None and report.measured_bubble_fraction is None
+    assert report.plan_bubble_fraction == 0.25
     assert report.rank.num_forward == 3 == report.rank.num_backward
     assert report.rank.forward_ms >= 6.0 and report.rank.backward_ms >= 12.0
     assert report.rank.compute_ms <= report.rank.wall_ms
@@ -183,7 +184,7 @@ def test_gather_every_averages_a_window():
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"gather_every": 0}, "gather_every"), ({"capacity": 2}, "capacity"), ({"timing": "wall"}, "timing"),
-     ({"p2p_latency_ms": -1}, "p2p_latency_ms")],
+     ({"p2p_latency_ms": -1}, "p2p_latency_ms"), ({"plan": 1.5}, "plan bubble fraction")],
 )
 def test_bad_arguments_raise_config_error(kwargs, match):
     with pytest.raises(ConfigError, match=match):

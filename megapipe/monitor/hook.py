@@ -44,13 +44,13 @@ from megapipe.monitor.metrics import (
     unpack_row,
 )
 from megapipe.monitor.predict import simulated_bubble_fraction
+from megapipe.monitor.proxy import TimersProxy
 
 __all__ = ["HookReport", "ScheduleHook", "attach"]
 
 logger = logging.getLogger("megapipe.monitor")
 
-STEP_TIMER = "forward-backward"
-_SLOTS = {name: slot for slot, name in enumerate(TIMER_KINDS)}
+_NUM_SLOTS = len(TIMER_KINDS)
 _VALID, _FAULTED, _SKIPPED = 1.0, 0.0, -1.0
 
 
@@ -70,78 +70,6 @@ class HookReport:
     simulated_source: str | None
     """``simulator`` or ``closed_form`` (equal-stage formula when the simulator is unavailable)."""
     plan_bubble_fraction: float | None
-
-
-class _NullTimer:
-    def start(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def stop(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
-_NULL_TIMER = _NullTimer()
-
-
-class _TimerProxy:
-    """Delegates to the wrapped timer, then records a mark; one instance per name, reused."""
-
-    __slots__ = ("_hook", "_slot", "_kind", "inner")
-
-    def __init__(self, hook: ScheduleHook, slot: int, kind: int) -> None:
-        self._hook, self._slot, self._kind, self.inner = hook, slot, kind, None
-
-    def start(self, *args: Any, **kwargs: Any) -> None:
-        if self.inner is not None:
-            self.inner.start(*args, **kwargs)
-        self._hook._on_start(self._slot)
-
-    def stop(self, *args: Any, **kwargs: Any) -> None:
-        if self.inner is not None:
-            self.inner.stop(*args, **kwargs)
-        self._hook._on_stop(self._slot, self._kind)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-class _StepTimerProxy(_TimerProxy):
-    __slots__ = ()
-
-    def start(self, *args: Any, **kwargs: Any) -> None:
-        if self.inner is not None:
-            self.inner.start(*args, **kwargs)
-        self._hook._on_step_start()
-
-    def stop(self, *args: Any, **kwargs: Any) -> None:
-        if self.inner is not None:
-            self.inner.stop(*args, **kwargs)
-        self._hook._on_step_end()
-
-
-class _TimersProxy:
-    """Stands in for ``config.timers``; ``wrapped`` is the original (possibly None)."""
-
-    def __init__(self, hook: ScheduleHook, wrapped: Any) -> None:
-        self._hook = hook
-        self.wrapped = wrapped
-        self._proxies: dict[str, _TimerProxy] = {
-            name: _TimerProxy(hook, _SLOTS[name], int(kind)) for name, kind in TIMER_KINDS.items()
-        }
-        self._proxies[STEP_TIMER] = _StepTimerProxy(hook, -1, -1)
-
-    def __call__(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        inner = self.wrapped(name, *args, **kwargs) if self.wrapped is not None else None
-        proxy = self._proxies.get(name)
-        if proxy is None or not self._hook.enabled:
-            return inner if inner is not None else _NULL_TIMER
-        proxy.inner = inner
-        return proxy
-
-    def __getattr__(self, name: str) -> Any:
-        if self.wrapped is None:
-            raise AttributeError(name)
-        return getattr(self.wrapped, name)
 
 
 class ScheduleHook:
@@ -173,7 +101,7 @@ class ScheduleHook:
         self._group, self._gather_every, self._clock = group, gather_every, clock
         self._warn_threshold, self._plan, self._schedule, self._on_report = warn_threshold, plan_bubble_fraction, schedule, on_report
         self._p2p_latency_ms = p2p_latency_ms
-        self._ring = IntervalRing(capacity=capacity, num_slots=len(_SLOTS))
+        self._ring = IntervalRing(capacity=capacity, num_slots=_NUM_SLOTS)
         self._recording, self._faulted, self._warned, self._overflow_logged = True, False, False, False
         self._step_start = float("nan")
         self._steps = 0
@@ -181,7 +109,7 @@ class ScheduleHook:
         self._gather_buffers = None
         if group is not None:
             self._gather_buffers = _gather_buffers(group, row_size(self.num_model_chunks), gather_device)
-        self._proxies = [_TimersProxy(self, cfg.timers) for cfg in self._configs]
+        self._proxies = [TimersProxy(self, cfg.timers) for cfg in self._configs]
         for cfg, proxy in zip(self._configs, self._proxies):
             cfg.timers = proxy
 
@@ -372,6 +300,15 @@ def _pipeline_group(config: Any, group: Any) -> Any:
     return group if config.pipeline_model_parallel_size > 1 else None
 
 
+def _plan_bubble(plan: Any) -> float | None:
+    value = getattr(plan, "bubble_fraction", plan)
+    if value is None:
+        return None
+    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+        raise ConfigError(f"plan bubble fraction {value!r} must be a number in [0, 1); pass a plan record or a fraction")
+    return float(value)
+
+
 def _make_clock(timing: str, capacity: int) -> HostClock | CudaEventClock:
     if timing == "auto":
         import torch
@@ -391,7 +328,7 @@ def attach(
     gather_every: int = 10,
     capacity: int = 8192,
     warn_threshold: float = 0.05,
-    plan_bubble_fraction: float | None = None,
+    plan: Any = None,
     schedule: str | None = None,
     p2p_latency_ms: float = 0.0,
     on_report: Callable[[HookReport], None] | None = None,
@@ -405,7 +342,8 @@ def attach(
     group. ``gather_every``: steps per all-gather (reports are means over them).
     ``capacity``: timer intervals one step may hold. ``warn_threshold``: absolute
     bubble-fraction difference (measured vs simulated or plan) that logs one
-    warning. ``schedule``: a megapipe schedule name for the simulator (default:
+    warning. ``plan``: the plan's predicted bubble fraction, or a megapipe plan
+    record (anything with ``bubble_fraction``). ``schedule``: a megapipe schedule name for the simulator (default:
     what megatron-core runs, 1f1b or interleaved_1f1b). ``p2p_latency_ms``: one
     p2p message's cost for the simulator (e.g. the link latency plus
     activation bytes / bandwidth; 0 models compute only). ``timing``: auto, host
@@ -435,7 +373,7 @@ def attach(
             gather_device = f"cuda:{torch.cuda.current_device()}"
     return ScheduleHook(
         configs=configs, group=group, gather_every=gather_every, capacity=capacity,
-        warn_threshold=warn_threshold, plan_bubble_fraction=plan_bubble_fraction, schedule=schedule,
+        warn_threshold=warn_threshold, plan_bubble_fraction=_plan_bubble(plan), schedule=schedule,
         p2p_latency_ms=float(p2p_latency_ms),
         on_report=on_report, clock=_make_clock(timing, capacity), gather_device=gather_device,
         keep_reports=keep_reports,
