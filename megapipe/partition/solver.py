@@ -152,7 +152,7 @@ def _optimal_bounds(layers, stages, ranks, in_flight, caps) -> tuple[int, ...]:
     fluid = time_prefix[-1] / sum(1.0 / cost.scale for cost in costs) * (1 - 1e-9)
     result = min_max_split(stages=costs, num_entries=num_entries, lower_bound=max(largest, fluid))
     if result is None:
-        _raise_memory_infeasible(layers, stages, ranks, in_flight, caps)
+        raise _MemoryInfeasible(lambda: _memory_infeasible_message(layers, stages, ranks, in_flight, caps))
     return result[1]
 
 
@@ -164,7 +164,24 @@ def _memory_prefixes(layers) -> tuple[np.ndarray, np.ndarray]:
     return static_prefix, act_prefix
 
 
-def _raise_memory_infeasible(layers, stages, ranks, in_flight, caps) -> None:
+class _MemoryInfeasible(InfeasibleError):
+    """No split fits; the diagnosis (a second min-max solve) runs only when the message is read.
+
+    A planner rejects most candidates this way and never reads the message.
+    """
+
+    def __init__(self, explain):
+        super().__init__()
+        self._explain = explain
+        self._message: str | None = None
+
+    def __str__(self) -> str:
+        if self._message is None:
+            self._message = self._explain()
+        return self._message
+
+
+def _memory_infeasible_message(layers, stages, ranks, in_flight, caps) -> str:
     """Find the split whose worst memory overage is smallest and name its tightest stage."""
     num_entries = len(layers)
     static_prefix, act_prefix = _memory_prefixes(layers)
@@ -186,7 +203,7 @@ def _raise_memory_infeasible(layers, stages, ranks, in_flight, caps) -> None:
     if len(costs) > len(stages):
         rank = ranks[worst]
         detail = f" (its share of pipeline rank {rank}'s {stages[rank].memory_bytes / 2**30:.1f} GiB)"
-    raise InfeasibleError(over_memory_message(label=f"stage {worst}", need_bytes=need, cap_bytes=caps[worst], detail=detail))
+    return over_memory_message(label=f"stage {worst}", need_bytes=need, cap_bytes=caps[worst], detail=detail)
 
 
 def _raise_rank_overflow(partition: Partition, stages: Sequence[StageSpec]) -> None:

@@ -8,6 +8,7 @@ from megapipe.errors import ScheduleError
 from megapipe.schedules.base import SCHEDULE_NAMES, Kind, Schedule, check_sizes
 from megapipe.schedules.dualpipe_v import dualpipe_v_orders
 from megapipe.schedules.gpipe import gpipe_orders
+from megapipe.schedules.in_flight import closed_form_in_flight
 from megapipe.schedules.interleaved import interleaved_orders
 from megapipe.schedules.one_f_one_b import one_f_one_b_orders
 from megapipe.schedules.zb_h import zb_h1_orders, zb_h2_orders
@@ -84,8 +85,24 @@ def build(
     )
 
 
-@lru_cache(maxsize=4096)
+def _closed_form_applies(name: str, pp: int, m: int, v: int, group: int | None) -> bool:
+    """Sizes every builder accepts; anything else is built, so its builder raises the real error."""
+    if name not in SCHEDULE_NAMES or not all(isinstance(n, int) and n >= 1 for n in (pp, m, v)):
+        return False
+    if name == "interleaved_1f1b":
+        group = pp if group is None else group
+        return v >= 2 and pp >= 2 and pp <= group <= m and not 0 < m % group < pp
+    if name in V_SHAPED:
+        return v == 2 and (name != "dualpipe_v" or m >= 2 * pp)
+    return v == 1
+
+
 def _peak_from_sizes(name, pp, m, v, group) -> tuple[int, ...]:
+    if _closed_form_applies(name, pp, m, v, group):
+        return closed_form_in_flight(
+            name, pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
+            microbatch_group_size_per_vp_stage=group,
+        )
     schedule = build(
         name, pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
         microbatch_group_size_per_vp_stage=group,
@@ -117,7 +134,9 @@ def peak_in_flight(
     ``schedule`` is a name or a built Schedule. One entry per layout stage: P * v
     for interleaved_1f1b (vp-major: stage = chunk * P + rank) and 2P for V-shaped
     schedules, whose stage s lives on rank s for s < P and on rank 2P-1-s after.
-    Activations count from F until B, or until W for split backwards. Cached.
+    Activations count from F until B, or until W for split backwards. For a name the
+    closed forms of :mod:`megapipe.schedules.in_flight` answer without building the
+    schedule; sizes a builder rejects still raise its ScheduleError.
     """
     if isinstance(schedule, Schedule):
         return _peak_from_orders(schedule)

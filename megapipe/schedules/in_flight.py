@@ -1,0 +1,67 @@
+"""Peak in-flight microbatches per layout stage in closed form, without building a schedule.
+
+A stage holds a microbatch's activations from its F until its last backward op (B, or
+W after a split I). The counts below are what the builders' orders give; tests compare
+them with the counts derived from the built orders over a grid of sizes.
+
+* GPipe: every stage holds all m (Huang et al. 2019).
+* 1F1B: stage s holds min(P - s, m) (Narayanan et al. 2021, sec. 2.2).
+* ZB-H1: each stage defers its W so that it holds min(P, m) (Qi et al. 2024, sec. 3.1).
+* ZB-H2: the list schedule caps F-to-W at 2P - 1, so min(2P - 1, m) (Qi et al. 2024, sec. 3.1).
+* ZB-V and DualPipe-V: layout stage s (rank s going down, rank 2P-1-s coming back)
+  holds min(2P - s, m) (Qi et al. 2024, sec. 6: the V's first stage holds 2P).
+* Interleaved 1F1B (megatron-core 0.16.1 ``forward_backward_pipelining_with_interleaving``):
+  rank r runs W_r = min(m v, 2(P - r - 1) + (v - 1) g) warm-up forwards, then pairs
+  F(W_r + k), B(k) over Megatron's schedule table. After j forwards the chunk-c count is
+  F_c(j) - B_c(j - W_r - 1), with F_c(n) the table's chunk-c entries among the first n and
+  B_c(n) = F_{v-1-c}(n) (backwards walk the table with the chunk mirrored); the peak is
+  the maximum over j, evaluated for all j at once.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+__all__ = ["closed_form_in_flight"]
+
+_V_SHAPED = ("zb_v", "dualpipe_v")
+
+
+def closed_form_in_flight(
+    name: str, *, pipeline_model_parallel_size: int, num_microbatches: int,
+    virtual_pipeline_model_parallel_size: int = 1, microbatch_group_size_per_vp_stage: int | None = None,
+) -> tuple[int, ...]:
+    """Peak in-flight microbatches per layout stage, in layout order; sizes must already be valid."""
+    pp, m = pipeline_model_parallel_size, num_microbatches
+    if name == "gpipe":
+        return (m,) * pp
+    if name == "1f1b":
+        return tuple(min(pp - stage, m) for stage in range(pp))
+    if name == "zb_h1":
+        return (min(pp, m),) * pp
+    if name == "zb_h2":
+        return (min(2 * pp - 1, m),) * pp
+    if name in _V_SHAPED:
+        return tuple(min(2 * pp - stage, m) for stage in range(2 * pp))
+    group = pp if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
+    return _interleaved(pp, m, virtual_pipeline_model_parallel_size, group)
+
+
+@lru_cache(maxsize=1024)
+def _interleaved(pp: int, m: int, vp: int, group: int) -> tuple[int, ...]:
+    total = m * vp
+    chunk_of = np.concatenate([
+        np.repeat(np.arange(vp), min(group, m - first)) for first in range(0, m, group)
+    ])  # Megatron's get_schedule_table, chunk column
+    seen = np.zeros((vp, total + 1), dtype=np.int64)
+    seen[:, 1:] = np.cumsum(chunk_of[None, :] == np.arange(vp)[:, None], axis=1)
+    forwards = np.arange(1, total + 1)
+    peaks = np.zeros((vp, pp), dtype=np.int64)
+    for rank in range(pp):
+        warmup = min(total, 2 * (pp - rank - 1) + (vp - 1) * group)
+        done = np.maximum(forwards - warmup - 1, 0)
+        held = seen[:, forwards] - seen[::-1][:, done]
+        peaks[:, rank] = held.max(axis=1)
+    return tuple(int(count) for count in peaks.ravel())  # vp-major: stage = chunk * P + rank
