@@ -1,0 +1,290 @@
+"""Re-partition from a measured run: attribute measured stage times to layers, solve again, decide.
+
+Pure: monitor records (parsed JSON dicts) and profiles in, records out; no torch, no I/O.
+
+Attribution. A run measures one forward and one backward time per layout stage
+(per microbatch, mean over logged steps), not per layer. Each stage's measured
+time is split over the stage's profile entries in proportion to the profile's own
+times (Megatron layer order, ``parse_layout``), so for every stage
+
+    sum(corrected fwd_ms of its entries) * time_scale == measured forward ms
+
+and the ratios between entries of one stage are the profile's. ``wgrad_ms`` is
+scaled with ``bwd_ms`` (it is a part of it). A stage whose profile time is zero
+gets its measured time split evenly. When the run reports device memory (GPU
+runs), each pipeline rank's static and activation bytes are scaled by the same
+factor, so the corrected profile predicts the measured peak of each rank under
+the schedule's in-flight counts; host RSS (CPU runs) is not a model figure and
+is left alone.
+
+Decision. The old layout and the newly solved one are both simulated on the
+corrected profile with the run's schedule; the gain is ``old / new - 1`` of the
+simulated step time. A change is suggested only when the layouts differ and the
+gain reaches ``min_gain`` (``search.min_gain``, default 2%): smaller predicted
+gains are within the run-to-run noise of measured stage times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megapipe.errors import ConfigError, ProfileError
+from megapipe.layout import LETTER, parse_layout
+from megapipe.partition import evaluate, solve
+from megapipe.profile.format import Profile
+from megapipe.records import LayerCost, Partition, StageSpec
+from megapipe.schedules import build
+from megapipe.simulate import P2PCost, StageTimes, simulate
+
+__all__ = ["MONITOR_FORMAT", "MeasuredRun", "Replan", "measured_run", "stage_entries", "attribute_times",
+           "attribute_memory", "replan"]
+
+MONITOR_FORMAT = "megapipe-monitor/1"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeasuredRun:
+    """What a monitored run measured, per layout stage in Megatron's vp-major order."""
+
+    layout: str
+    """The run's pipeline_model_parallel_layout."""
+    pipeline_model_parallel_size: int
+    stage_forward_ms: tuple[float, ...]
+    """Mean forward time per microbatch of each layout stage."""
+    stage_backward_ms: tuple[float, ...]
+    """Mean backward time (input and weight gradient) per microbatch of each layout stage."""
+    step_time_ms: float = math.nan
+    """Mean measured step time over the steps used."""
+    num_microbatches: int | None = None
+    rank_peak_bytes: tuple[float, ...] = ()
+    """Peak device memory per pipeline rank (max over steps); empty when the run had no device memory figure."""
+    num_steps: int = 0
+    """Logged steps averaged (after the warm-up steps dropped)."""
+
+    @property
+    def stage_compute_ms(self) -> tuple[float, ...]:
+        return tuple(f + b for f, b in zip(self.stage_forward_ms, self.stage_backward_ms))
+
+    @property
+    def rank_compute_ms(self) -> tuple[float, ...]:
+        """Forward + backward per microbatch on each pipeline rank (its virtual stages summed)."""
+        pp = self.pipeline_model_parallel_size
+        return tuple(math.fsum(self.stage_compute_ms[rank::pp]) for rank in range(pp))
+
+    @property
+    def compute_spread_ms(self) -> float:
+        """max - min per-rank compute per microbatch: the imbalance a better layout removes."""
+        return max(self.rank_compute_ms) - min(self.rank_compute_ms)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replan:
+    corrected: Profile
+    """The profile with measured times (and device memory) attributed to its entries."""
+    old: Partition
+    """The run's layout evaluated on the corrected profile."""
+    new: Partition
+    """The optimal split of the corrected profile."""
+    old_step_ms: float
+    """Simulated step time of the old layout on the corrected profile."""
+    new_step_ms: float
+    gain: float
+    """old_step_ms / new_step_ms - 1."""
+    min_gain: float
+    suggest: bool
+    """True when the new layout differs and gain >= min_gain."""
+    reason: str
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def measured_run(records: Sequence[dict], *, skip_steps: int = 1, layout: str | None = None) -> MeasuredRun:
+    """The ``megapipe-monitor/1`` records of a run (``read_monitor``) as a MeasuredRun.
+
+    Uses rank 0's ``pipeline`` records with stage times, dropping the first
+    ``skip_steps`` (warm-up) when later ones exist. ``layout`` is used when the log
+    records none (e.g. from the run's plan.yaml).
+    """
+    rows = [r for r in records if r.get("kind") == "pipeline" and r.get("stage_forward_ms")]
+    if not rows:
+        raise ConfigError("the monitor log has no pipeline records with stage times; monitor the run with "
+                          "pipeline_model_parallel_size > 1 and the schedule hook on (attach_monitor)")
+    if len(rows) > skip_steps:
+        rows = rows[skip_steps:]
+    count = len(rows[0]["stage_forward_ms"])
+    forward, backward = [], []
+    for index in range(count):
+        values = [(r["stage_forward_ms"][index], r["stage_backward_ms"][index]) for r in rows
+                  if len(r["stage_forward_ms"]) == count]
+        if not all(_finite(f) and _finite(b) for f, b in values):
+            raise ConfigError(f"the monitor log has a missing stage time for layout stage {index}; "
+                              "replan from a run whose monitor stayed on")
+        forward.append(_mean([f for f, _ in values]))
+        backward.append(_mean([b for _, b in values]))
+    recorded = {r.get("layout") for r in records if r.get("kind") in ("start", "pipeline") and r.get("layout")}
+    if len(recorded) > 1:
+        raise ConfigError(f"the monitor log holds several layouts {sorted(recorded)}; replan one run at a time")
+    run_layout = recorded.pop() if recorded else layout
+    if not run_layout:
+        raise ConfigError("the monitor log records no layout; pass it to attach_monitor(layout=...) or keep the "
+                          "run's plan.yaml in the run directory")
+    pp = len(rows[0].get("stage_peak_bytes") or []) or _start_field(records, "pipeline_model_parallel_size") or count
+    steps = [r["step_time_ms"] for r in rows if _finite(r.get("step_time_ms"))]
+    return MeasuredRun(
+        layout=str(run_layout), pipeline_model_parallel_size=int(pp), stage_forward_ms=tuple(forward),
+        stage_backward_ms=tuple(backward), step_time_ms=_mean(steps) if steps else math.nan,
+        num_microbatches=_num_microbatches(records, count // int(pp)),
+        rank_peak_bytes=_device_peaks(records, rows), num_steps=len(rows),
+    )
+
+
+def _start_field(records: Sequence[dict], key: str):
+    for record in records:
+        if record.get("kind") == "start" and record.get(key):
+            return record[key]
+    return None
+
+
+def _num_microbatches(records: Sequence[dict], num_model_chunks: int) -> int | None:
+    counts = {round(r["num_microbatches"]) for r in records
+              if r.get("kind") == "rank" and _finite(r.get("num_microbatches"))}
+    return counts.pop() if len(counts) == 1 and num_model_chunks == 1 else None
+
+
+def _device_peaks(records: Sequence[dict], rows: Sequence[dict]) -> tuple[float, ...]:
+    """Per-rank peaks when every rank reported a device capacity (GPU); host RSS is not a model figure."""
+    ranks = [r for r in records if r.get("kind") == "rank"]
+    if not ranks or not all(_finite(r.get("capacity_bytes")) for r in ranks):
+        return ()
+    peaks = [r.get("stage_peak_bytes") or [] for r in rows]
+    if not peaks[0] or not all(_finite(v) for row in peaks for v in row):
+        return ()
+    return tuple(max(row[i] for row in peaks) for i in range(len(peaks[0])))
+
+
+def stage_entries(profile: Profile, layout: str) -> tuple[int, ...]:
+    """Profile entries per layout stage; raises ProfileError when the layout is not this profile's model."""
+    stages = parse_layout(layout)
+    kinds = [kind for stage in stages for kind in stage]
+    if kinds != [layer.kind for layer in profile.layers]:
+        spelled = "".join(LETTER[layer.kind] for layer in profile.layers)
+        raise ProfileError(
+            f"the run's layout {layout!r} ({len(kinds)} units) does not match the profile's units "
+            f"({spelled[:40]}{'...' if len(spelled) > 40 else ''}, {len(spelled)}); pass the profile the run was "
+            "planned with (profile=FILE)"
+        )
+    return tuple(len(stage) for stage in stages)
+
+
+def _spread(layers: Sequence[LayerCost], attr: str, target: float) -> list[float]:
+    """``target`` split over ``layers`` in proportion to ``attr`` (evenly when they sum to zero)."""
+    total = math.fsum(getattr(layer, attr) for layer in layers)
+    if total > 0:
+        return [getattr(layer, attr) / total * target for layer in layers]
+    return [target / len(layers)] * len(layers)
+
+
+def attribute_times(profile: Profile, *, layers_per_stage: Sequence[int], stage_forward_ms: Sequence[float],
+                    stage_backward_ms: Sequence[float], stage_time_scale: Sequence[float] | None = None) -> Profile:
+    """Profile whose entries' times sum, per stage, to the measured ones (divided by the stage's time_scale)."""
+    if not (len(layers_per_stage) == len(stage_forward_ms) == len(stage_backward_ms)):
+        raise ConfigError(f"{len(stage_forward_ms)} measured stages for a layout of {len(layers_per_stage)} stages; "
+                          "replan with the monitor log of the run that used this layout")
+    scales = tuple(stage_time_scale or (1.0,) * len(layers_per_stage))
+    layers, start = [], 0
+    for stage, count in enumerate(layers_per_stage):
+        chunk = profile.layers[start:start + count]
+        start += count
+        forward = _spread(chunk, "fwd_ms", stage_forward_ms[stage] / scales[stage])
+        backward = _spread(chunk, "bwd_ms", stage_backward_ms[stage] / scales[stage])
+        for layer, fwd, bwd in zip(chunk, forward, backward):
+            share = layer.wgrad_ms / layer.bwd_ms if layer.bwd_ms > 0 else 0.0
+            layers.append(dataclasses.replace(layer, fwd_ms=fwd, bwd_ms=bwd, wgrad_ms=min(bwd, share * bwd)))
+    meta = {**dict(profile.meta), "source": "replan", "corrected_from": MONITOR_FORMAT}
+    return Profile(layers=tuple(layers), device=profile.device, meta=tuple(meta.items()))
+
+
+def attribute_memory(profile: Profile, *, old: Partition, rank_peak_bytes: Sequence[float]) -> Profile:
+    """Scale each rank's entries' static and activation bytes so ``old`` predicts the measured rank peaks."""
+    predicted = old.rank_memory_bytes
+    if len(rank_peak_bytes) != len(predicted):
+        raise ConfigError(f"{len(rank_peak_bytes)} measured rank peaks for pipeline_model_parallel_size="
+                          f"{len(predicted)}; replan with this run's monitor log")
+    ranks = old.stage_to_rank or tuple(s % old.pipeline_model_parallel_size for s in range(len(old.layers_per_stage)))
+    layers, start = [], 0
+    for stage, count in enumerate(old.layers_per_stage):
+        want, have = rank_peak_bytes[ranks[stage]], predicted[ranks[stage]]
+        factor = want / have if have > 0 else 1.0
+        for layer in profile.layers[start:start + count]:
+            layers.append(dataclasses.replace(layer, static_bytes=layer.static_bytes * factor,
+                                              act_bytes=layer.act_bytes * factor))
+        start += count
+    return dataclasses.replace(profile, layers=tuple(layers))
+
+
+def _step_ms(profile: Profile, part: Partition, stages: Sequence[StageSpec], schedule, p2p: P2PCost) -> float:
+    sums = {name: [] for name in ("fwd_ms", "bwd_ms", "wgrad_ms", "act_bytes")}
+    start = 0
+    for stage, count in enumerate(part.layers_per_stage):
+        chunk = profile.layers[start:start + count]
+        start += count
+        scale = stages[schedule.stage_to_rank[stage]].time_scale
+        for name, values in sums.items():
+            values.append((1.0 if name == "act_bytes" else scale) * math.fsum(getattr(e, name) for e in chunk))
+    times = StageTimes(**{name: tuple(values) for name, values in sums.items()})
+    return simulate(schedule, times, p2p=p2p).step_time_ms
+
+
+def replan(profile: Profile, run: MeasuredRun, *, stages: Sequence[StageSpec], schedule: str, num_microbatches: int,
+           p2p: P2PCost = P2PCost(), min_gain: float = 0.02,
+           microbatch_group_size_per_vp_stage: int | None = None) -> Replan:
+    """Correct ``profile`` with ``run``'s measurements, solve again and decide whether the change is worth it.
+
+    ``stages``: one StageSpec per pipeline rank (``megapipe.stages.stage_specs``).
+    """
+    if not (_finite(min_gain) and min_gain >= 0):
+        raise ConfigError(f"search.min_gain={min_gain!r} must be a number >= 0 (0.02 = 2%)")
+    pp = len(stages)
+    if run.pipeline_model_parallel_size != pp:
+        raise ConfigError(f"the run used pipeline_model_parallel_size={run.pipeline_model_parallel_size} but "
+                          f"{pp} pipeline stages were given; replan with the run's parallel sizes")
+    counts = stage_entries(profile, run.layout)
+    if len(counts) % pp:
+        raise ConfigError(f"layout {run.layout!r} has {len(counts)} stages, not a multiple of "
+                          f"pipeline_model_parallel_size={pp}")
+    scales = [stages[stage % pp].time_scale for stage in range(len(counts))]
+    corrected = attribute_times(profile, layers_per_stage=counts, stage_forward_ms=run.stage_forward_ms,
+                                stage_backward_ms=run.stage_backward_ms, stage_time_scale=scales)
+    old = evaluate(corrected, stages, layers_per_stage=counts, num_microbatches=num_microbatches, schedule=schedule)
+    if run.rank_peak_bytes:
+        corrected = attribute_memory(corrected, old=old, rank_peak_bytes=run.rank_peak_bytes)
+        old = evaluate(corrected, stages, layers_per_stage=counts, num_microbatches=num_microbatches,
+                       schedule=schedule)
+    vp = len(counts) // pp
+    new = solve(corrected, stages, num_microbatches=num_microbatches, schedule=schedule,
+                virtual_pipeline_model_parallel_size=vp,
+                microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+    order = build(schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+                  virtual_pipeline_model_parallel_size=vp,
+                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+    old_ms = _step_ms(corrected, old, stages, order, p2p)
+    new_ms = _step_ms(corrected, new, stages, order, p2p)
+    gain = old_ms / new_ms - 1.0 if new_ms > 0 else 0.0
+    if new.layout == old.layout:
+        suggest, reason = False, "the run's layout is already optimal for the measured costs"
+    elif gain < min_gain:
+        suggest, reason = False, (f"predicted gain {gain:+.1%} is below search.min_gain={min_gain:.1%} "
+                                  "(measurement noise); keep the current layout")
+    else:
+        suggest, reason = True, f"predicted gain {gain:+.1%} >= search.min_gain={min_gain:.1%}"
+    return Replan(corrected=corrected, old=old, new=new, old_step_ms=old_ms, new_step_ms=new_ms, gain=gain,
+                  min_gain=min_gain, suggest=suggest, reason=reason)
