@@ -57,7 +57,7 @@ def _run(*, monitor_kwargs: dict | None, inject=None, steps: int = STEPS):
     enabled = mon.enabled if mon is not None else None
     if mon is not None:
         mon.train_end()
-    restored = all(type(m.config.timers).__name__ != "_TimersProxy" for m in models)
+    restored = all(not type(m.config.timers).__name__.endswith("TimersProxy") for m in models)
     return {"losses": run.losses, "logged": logged, "messages": list(mon.messages) if mon else [],
             "enabled": enabled, "restored": restored,
             "links": [(l.peer, l.bandwidth_gbytes_per_s, l.latency_us) for l in (mon.links if mon else [])]}

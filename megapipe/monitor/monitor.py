@@ -330,12 +330,11 @@ class TrainingMonitor:
 
 
 def _flatten(fields: dict) -> dict:
-    """Scalar metrics for loggers: lists become ``name_<i>``, the drift dict ``drift_<figure>``."""
+    """Scalar metrics for loggers: per-stage lists become ``stage<i>_<figure>``, the drift dict ``drift_<figure>``."""
     flat = {}
     for key, value in fields.items():
         if key in ("stage_forward_ms", "stage_backward_ms", "stage_peak_bytes"):
-            flat.update({f"{key[:-3] if key.endswith('_ms') else key}{i}{'_ms' if key.endswith('_ms') else ''}": v
-                         for i, v in enumerate(value)})
+            flat.update({f"stage{i}_{key[len('stage_'):]}": v for i, v in enumerate(value)})
         elif key == "drift":
             flat.update({f"drift_{figure}": d["drift"] for figure, d in value.items()})
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -378,7 +377,7 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
             layout = config.pipeline_model_parallel_layout
         if schedule_hook:
             hook = attach(models, pipeline_group=group if group is not None else None, gather_every=log_every,
-                          plan_bubble_fraction=expectation.bubble_fraction if expectation else None,
+                          plan=expectation.bubble_fraction if expectation else None,
                           p2p_latency_ms=p2p_latency_ms)
     elif pipeline_group != "auto":
         group = pipeline_group
