@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,10 +41,12 @@ from megapipe.records import LayerCost, Partition, StageSpec
 from megapipe.schedules import build
 from megapipe.simulate import P2PCost, StageTimes, simulate
 
-__all__ = ["MONITOR_FORMAT", "MeasuredRun", "Replan", "measured_run", "stage_entries", "attribute_times",
+__all__ = ["MONITOR_FORMAT", "ATTRIBUTIONS", "MeasuredRun", "kind_factors", "Replan", "measured_run", "stage_entries", "attribute_times",
            "attribute_memory", "replan"]
 
 MONITOR_FORMAT = "megapipe-monitor/1"
+ATTRIBUTIONS = ("stage", "kind")
+"""stage: each stage's time split in proportion to the profile; kind: per-kind factors first (module doc)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -193,13 +197,43 @@ def _spread(layers: Sequence[LayerCost], attr: str, target: float) -> list[float
     return [target / len(layers)] * len(layers)
 
 
+def kind_factors(profile: Profile, *, layers_per_stage: Sequence[int], attr: str,
+                 measured_ms: Sequence[float]) -> dict:
+    """Per-kind multipliers ``a`` of ``attr`` closest to 1 that reproduce the measured stage sums (module doc)."""
+    kinds = sorted({layer.kind for layer in profile.layers}, key=lambda kind: kind.value)
+    matrix = np.zeros((len(layers_per_stage), len(kinds)))
+    start = 0
+    for stage, count in enumerate(layers_per_stage):
+        for layer in profile.layers[start:start + count]:
+            matrix[stage, kinds.index(layer.kind)] += getattr(layer, attr)
+        start += count
+    residual = np.asarray(measured_ms, dtype=float) - matrix.sum(axis=1)
+    factors = 1.0 + matrix.T @ np.linalg.pinv(matrix @ matrix.T) @ residual
+    return {kind: max(float(factor), 1e-3) for kind, factor in zip(kinds, factors)}
+
+
+def _by_kind(profile: Profile, counts: Sequence[int], forward: Sequence[float], backward: Sequence[float]) -> Profile:
+    fwd = kind_factors(profile, layers_per_stage=counts, attr="fwd_ms", measured_ms=forward)
+    bwd = kind_factors(profile, layers_per_stage=counts, attr="bwd_ms", measured_ms=backward)
+    layers = tuple(dataclasses.replace(layer, fwd_ms=layer.fwd_ms * fwd[layer.kind], bwd_ms=layer.bwd_ms * bwd[layer.kind],
+                                       wgrad_ms=layer.wgrad_ms * bwd[layer.kind]) for layer in profile.layers)
+    return dataclasses.replace(profile, layers=layers)
+
+
 def attribute_times(profile: Profile, *, layers_per_stage: Sequence[int], stage_forward_ms: Sequence[float],
-                    stage_backward_ms: Sequence[float], stage_time_scale: Sequence[float] | None = None) -> Profile:
+                    stage_backward_ms: Sequence[float], stage_time_scale: Sequence[float] | None = None,
+                    attribution: str = "stage") -> Profile:
     """Profile whose entries' times sum, per stage, to the measured ones (divided by the stage's time_scale)."""
     if not (len(layers_per_stage) == len(stage_forward_ms) == len(stage_backward_ms)):
         raise ConfigError(f"{len(stage_forward_ms)} measured stages for a layout of {len(layers_per_stage)} stages; "
                           "replan with the monitor log of the run that used this layout")
+    if attribution not in ATTRIBUTIONS:
+        raise ConfigError(f"attribution={attribution!r} is not known; use one of {', '.join(ATTRIBUTIONS)}")
     scales = tuple(stage_time_scale or (1.0,) * len(layers_per_stage))
+    source = profile
+    if attribution == "kind":
+        profile = _by_kind(profile, layers_per_stage, [f / c for f, c in zip(stage_forward_ms, scales)],
+                           [b / c for b, c in zip(stage_backward_ms, scales)])
     layers, start = [], 0
     for stage, count in enumerate(layers_per_stage):
         chunk = profile.layers[start:start + count]
@@ -209,7 +243,7 @@ def attribute_times(profile: Profile, *, layers_per_stage: Sequence[int], stage_
         for layer, fwd, bwd in zip(chunk, forward, backward):
             share = layer.wgrad_ms / layer.bwd_ms if layer.bwd_ms > 0 else 0.0
             layers.append(dataclasses.replace(layer, fwd_ms=fwd, bwd_ms=bwd, wgrad_ms=min(bwd, share * bwd)))
-    meta = {**dict(profile.meta), "source": "replan", "corrected_from": MONITOR_FORMAT}
+    meta = {**dict(source.meta), "source": "replan", "corrected_from": MONITOR_FORMAT, "attribution": attribution}
     return Profile(layers=tuple(layers), device=profile.device, meta=tuple(meta.items()))
 
 
@@ -246,7 +280,7 @@ def _step_ms(profile: Profile, part: Partition, stages: Sequence[StageSpec], sch
 
 def replan(profile: Profile, run: MeasuredRun, *, stages: Sequence[StageSpec], schedule: str, num_microbatches: int,
            p2p: P2PCost = P2PCost(), min_gain: float = 0.02,
-           microbatch_group_size_per_vp_stage: int | None = None) -> Replan:
+           microbatch_group_size_per_vp_stage: int | None = None, attribution: str = "stage") -> Replan:
     """Correct ``profile`` with ``run``'s measurements, solve again and decide whether the change is worth it.
 
     ``stages``: one StageSpec per pipeline rank (``megapipe.stages.stage_specs``).
@@ -263,7 +297,8 @@ def replan(profile: Profile, run: MeasuredRun, *, stages: Sequence[StageSpec], s
                           f"pipeline_model_parallel_size={pp}")
     scales = [stages[stage % pp].time_scale for stage in range(len(counts))]
     corrected = attribute_times(profile, layers_per_stage=counts, stage_forward_ms=run.stage_forward_ms,
-                                stage_backward_ms=run.stage_backward_ms, stage_time_scale=scales)
+                                stage_backward_ms=run.stage_backward_ms, stage_time_scale=scales,
+                                attribution=attribution)
     old = evaluate(corrected, stages, layers_per_stage=counts, num_microbatches=num_microbatches, schedule=schedule)
     if run.rank_peak_bytes:
         corrected = attribute_memory(corrected, old=old, rank_peak_bytes=run.rank_peak_bytes)

@@ -70,8 +70,13 @@ def _attribution_case(draw):
 @given(_attribution_case())
 def test_attribution_is_exact_and_keeps_proportions(case):
     profile, counts, forward, backward, scales = case
+    for attribution in ("stage", "kind"):  # one kind here: both keep every proportion within a stage
+        _check_attribution(profile, counts, forward, backward, scales, attribution)
+
+
+def _check_attribution(profile, counts, forward, backward, scales, attribution):
     corrected = attribute_times(profile, layers_per_stage=counts, stage_forward_ms=forward,
-                                stage_backward_ms=backward, stage_time_scale=scales)
+                                stage_backward_ms=backward, stage_time_scale=scales, attribution=attribution)
     start = 0
     for stage, count in enumerate(counts):
         old, new = profile.layers[start:start + count], corrected.layers[start:start + count]
@@ -119,6 +124,25 @@ def test_replan_moves_layers_off_the_measured_bottleneck():
     assert result.suggest and "min_gain" in result.reason
     true_new = evaluate(truth, STAGES2, layers_per_stage=result.new.layers_per_stage, num_microbatches=8)
     assert true_new.bottleneck_ms < 60.0  # the true costs of the new layout are better too
+
+
+def test_kind_attribution_finds_the_expensive_head():
+    wrong = _profile((2.0, 4.0), (2.0, 4.0))
+    truth = _profile((2.0, 4.0), (12.0, 24.0))
+    run = _measure(truth, "Et*4|t*4L")
+    result = replan(wrong, run, stages=STAGES2, schedule="1f1b", num_microbatches=8, attribution="kind")
+    assert result.new.layout == solve(truth, STAGES2, num_microbatches=8).layout == "Et*7|tL"
+    head, decoder = result.corrected.layers[-1], result.corrected.layers[5]
+    assert head.fwd_ms + head.bwd_ms == pytest.approx(36.0, rel=0.02)
+    assert decoder.fwd_ms + decoder.bwd_ms == pytest.approx(6.0, rel=0.02)
+    assert dict(result.corrected.meta)["attribution"] == "kind"
+    start = 0
+    for stage, count in enumerate(result.old.layers_per_stage):  # still exact per stage
+        chunk = result.corrected.layers[start:start + count]
+        start += count
+        assert sum(e.fwd_ms for e in chunk) == pytest.approx(run.stage_forward_ms[stage])
+    with pytest.raises(ConfigError, match="attribution='layer'"):
+        replan(wrong, run, stages=STAGES2, schedule="1f1b", num_microbatches=8, attribution="layer")
 
 
 def test_no_change_when_layout_is_already_optimal():

@@ -132,6 +132,7 @@ def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, director
         "min_gain": result.min_gain,
         "suggest": result.suggest,
         "reason": result.reason,
+        "attribution": dict(result.corrected.meta).get("attribution", "stage"),
         "corrected_profile": os.path.join(directory, "profile.yaml"),
     }
     if result.suggest:
@@ -181,7 +182,8 @@ def run(cfg: DictConfig) -> None:
     result = replan(profile, measured, stages=specs, schedule=setup.schedule,
                     num_microbatches=setup.num_microbatches, p2p=pipeline_p2p(setup),
                     min_gain=float(cfg.search.get("min_gain", 0.02)),
-                    microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
+                    microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage,
+                    attribution=str(cfg.search.get("replan_attribution") or "stage"))
     directory = output_dir(cfg)
     result.corrected.save(os.path.join(directory, "profile.yaml"))
     summary = result_dict(setup, measured, result, directory=directory)

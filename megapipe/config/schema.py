@@ -161,6 +161,8 @@ class SearchConfig:
     """Relative difference between measured and predicted figures that triggers a warning."""
     min_gain: float = 0.02
     """replan refuses to suggest a change whose predicted gain is below this fraction."""
+    replan_attribution: str = "stage"
+    """replan: stage (split each stage's measured time in proportion to the profile) or kind (per-kind factors first)."""
 
 
 @dataclass
