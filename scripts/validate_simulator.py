@@ -22,14 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from _torch_pipelining import (  # noqa: E402
+from _pipelining_validation import (  # noqa: E402
     VALIDATION_SCHEDULES,
     compare,
     megapipe_schedule_for,
-    run_pipeline,
     runtime_gaps_ms,
     validation_case,
 )
+from _torch_pipelining import run_pipeline  # noqa: E402
 
 
 MEGATRON_CASES = (
@@ -109,14 +109,17 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--latency", choices=("pingpong", "timeline"), default="timeline",
                         help="p2p latency: gloo ping-pong, or the mean input wait read from the run's timeline")
     parser.add_argument("--megatron", action="store_true",
-                        help="add megatron-core rows (real 1F1B and interleaved schedules, 2 ranks, GPT units with sleeps)")
+                        help="add megatron-core rows (real 1F1B and interleaved schedules, 2 ranks, "
+                        "GPT units with sleeps)")
     return parser.parse_args()
 
 
 def main() -> None:
     args = _parse()
     cases = [
-        validation_case(name, pipeline_model_parallel_size=args.pp, num_microbatches=args.microbatches, scale=args.scale)
+        validation_case(
+            name, pipeline_model_parallel_size=args.pp, num_microbatches=args.microbatches, scale=args.scale
+        )
         for name in VALIDATION_SCHEDULES
     ]
     started = time.perf_counter()
@@ -143,7 +146,8 @@ def main() -> None:
             schedule = "interleaved_1f1b" if "interleaved" in label else "1f1b"
             print(
                 f"| {label} | {schedule} | {measured:.1f} | {predicted:.1f} | {predicted / measured:.3f} | "
-                f"{bubble:.3f} | {predicted_bubble:.3f} | {predicted_bubble - bubble:+.3f} | {overhead:.2f} | {latency:.3f} |"
+                f"{bubble:.3f} | {predicted_bubble:.3f} | {predicted_bubble - bubble:+.3f} | "
+                f"{overhead:.2f} | {latency:.3f} |"
             )
     print(f"\nP={args.pp}, m={args.microbatches}, {args.steps} measured steps, sleeps x{args.scale}; "
           f"gloo ping-pong p2p {results[0].p2p_ms:.3f} ms; wall {wall_s:.1f} s")

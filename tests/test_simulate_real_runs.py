@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from _torch_pipelining import (
+from _pipelining_validation import (
     VALIDATION_SCHEDULES,
     compare,
     mean_action_ms,
     megapipe_schedule_for,
-    run_pipeline,
-    torch_order,
     validation_case,
 )
+from _torch_pipelining import run_pipeline, torch_order
 
 pytestmark = pytest.mark.engine
 

@@ -41,7 +41,8 @@ def _round_size(pp: int, m: int) -> int:
 @settings(max_examples=30, deadline=None)
 @given(pp=pipeline_sizes, m=st.integers(min_value=1, max_value=16))
 def test_gpipe_order_equals_torch(pp, m):
-    assert _torch_strings("GPipe", pp=pp, m=m) == _strings(build("gpipe", pipeline_model_parallel_size=pp, num_microbatches=m).orders)
+    megapipe = build("gpipe", pipeline_model_parallel_size=pp, num_microbatches=m)
+    assert _torch_strings("GPipe", pp=pp, m=m) == _strings(megapipe.orders)
 
 
 @settings(max_examples=30, deadline=None)
@@ -58,7 +59,10 @@ def test_1f1b_ir_equals_megatron_order_except_last_rank_forward_index(pp, extra)
     ]
     assert shifted == _strings(megatron.orders)[-1]
     with pytest.raises(ScheduleError, match="invalid"):
-        simulate(to_schedule("1F1B", pipeline_model_parallel_size=pp, num_microbatches=m), StageTimes.uniform(pp, fwd_ms=1, input_grad_ms=1))
+        simulate(
+            to_schedule("1F1B", pipeline_model_parallel_size=pp, num_microbatches=m),
+            StageTimes.uniform(pp, fwd_ms=1, input_grad_ms=1),
+        )
 
 
 @st.composite
@@ -84,11 +88,16 @@ def test_interleaved_order_equals_megatron_with_torch_round_as_group(sizes):
 
 @pytest.mark.parametrize(("pp", "m"), [(3, 2), (4, 3), (4, 1)])
 def test_interleaved_torch_runs_fewer_microbatches_than_ranks_megatron_does_not(pp, m):
-    torch_schedule = to_schedule("Interleaved1F1B", pipeline_model_parallel_size=pp, num_microbatches=m, num_stages_per_rank=2)
+    torch_schedule = to_schedule(
+        "Interleaved1F1B", pipeline_model_parallel_size=pp, num_microbatches=m, num_stages_per_rank=2
+    )
     result = simulate(torch_schedule, StageTimes.uniform(2 * pp, fwd_ms=1, input_grad_ms=2))
     assert result.step_time_ms > 0
     with pytest.raises(ScheduleError, match="microbatch_group_size_per_vp_stage"):
-        build("interleaved_1f1b", pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=2)
+        build(
+            "interleaved_1f1b", pipeline_model_parallel_size=pp, num_microbatches=m,
+            virtual_pipeline_model_parallel_size=2,
+        )
 
 
 @pytest.mark.parametrize(("torch_name", "name"), [("ZBVZeroBubble", "zb_v"), ("DualPipeV", "dualpipe_v")])
@@ -96,7 +105,9 @@ def test_interleaved_torch_runs_fewer_microbatches_than_ranks_megatron_does_not(
 @given(pp=st.integers(min_value=2, max_value=5), m=st.integers(min_value=1, max_value=20))
 def test_v_schedules_equal_torch_or_both_reject(torch_name, name, pp, m):
     try:
-        torch_schedule = to_schedule(torch_name, pipeline_model_parallel_size=pp, num_microbatches=m, num_stages_per_rank=2)
+        torch_schedule = to_schedule(
+            torch_name, pipeline_model_parallel_size=pp, num_microbatches=m, num_stages_per_rank=2
+        )
     except ValueError:
         with pytest.raises(ScheduleError):
             build(name, pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=2)
