@@ -128,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    if not sys.stdout.isatty():
+        # rich falls back to 80 columns when piped; plan tables need more to stay readable.
+        os.environ.setdefault("COLUMNS", "200")
     if command not in COMMANDS:
         return _fail("", f"unknown command {command!r}; use one of {', '.join(COMMANDS)}")
     try:
