@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 
 from megapipe import cost, partition, schedules
+from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, stage_ranks
+from megapipe.plan.bounds import least_in_flight, layer_shape, pipeline_floor_ms, split_can_fit, water_level
 from megapipe.plan.money import cost_per_million_tokens, training_cost
 from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
@@ -41,6 +43,17 @@ class _Totals:
     static_bytes: float
     act_bytes: float
     param_count: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _RankSums:
+    """Per pipeline rank of one partition: static bytes, per-microbatch times; the slowest rank's sync and step."""
+
+    static_bytes: tuple[float, ...]
+    fwd_ms: tuple[float, ...]
+    bwd_ms: tuple[float, ...]
+    sync_ms: float
+    optimizer_ms: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +88,7 @@ class Evaluator:
         self._totals: dict[tuple, _Totals] = {}
         self._schedules: dict[tuple, object] = {}
         self._flops: dict[int, float] = {}
+        self._shapes: dict[tuple, object] = {}
 
     # -- layer costs -----------------------------------------------------------------
     def profile(self, cand: Candidate, gpu: GpuSpec | None = None) -> Profile:
@@ -159,7 +173,7 @@ class Evaluator:
         """
         par = cand.parallel
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
-        least = _least_in_flight(cand.schedule, pp, m)
+        least = least_in_flight(cand.schedule, pp, m)
         layers = self.profile(cand).layers
         decoder = next((layer for layer in layers if layer.kind == LayerKind.decoder), None)
         if decoder is None:
@@ -171,7 +185,7 @@ class Evaluator:
             if layer.kind != LayerKind.decoder:
                 pinned[rank] += layer.static_bytes + least[rank] * layer.act_bytes
         per_layer = [decoder.static_bytes + k * decoder.act_bytes for k in least]
-        return _water_level(pinned, per_layer, self.model.num_layers)
+        return water_level(pinned, per_layer, self.model.num_layers)
 
     # -- exact -----------------------------------------------------------------------
     def schedule(self, cand: Candidate):
@@ -204,30 +218,59 @@ class Evaluator:
             method=method, check_memory=check_memory,
         )
 
+    def split_can_fit(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> bool:
+        """False only when the solver would find no split within memory (closed form, no solve).
+
+        Exact for the cost model's profiles (identical decoders between the embedding and the
+        loss); for any other profile it answers True and leaves the verdict to the solver.
+        """
+        key = cand.layer_key + (cand.parallel.data_parallel_size,)
+        if key not in self._shapes:
+            self._shapes[key] = layer_shape(self.profile(cand).layers)
+        shape = self._shapes[key]
+        if shape is None or self.options.ignore_memory_limit:
+            return True
+        par = cand.parallel
+        pp, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+        in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
+                                     num_microbatches=cand.num_microbatches, virtual_pipeline_model_parallel_size=vp)
+        ranks = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+        specs = self.stage_specs(cand, gpus)
+        caps = chunk_memory_caps(layers=self.profile(cand).layers, stages=specs, in_flight=in_flight, ranks=ranks)
+        return split_can_fit(shape=shape, caps=caps, in_flight=in_flight)
+
     def evaluate(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
-                 check_memory: bool | None = None) -> Plan:
+                 check_memory: bool | None = None, cutoff_ms: float | None = None) -> Plan | None:
         """Partition, simulate and price one candidate; raises InfeasibleError / ScheduleError.
 
         ``check_memory`` None follows ``search.ignore_memory_limit``; False keeps a split that does
-        not fit, flagged infeasible with the GiB over.
+        not fit, flagged infeasible with the GiB over. With ``cutoff_ms``, returns None without
+        simulating when the partition's step floor (:func:`pipeline_floor_ms` plus the exact DP
+        sync and optimizer step) already exceeds it.
         """
         pp = cand.parallel.pipeline_model_parallel_size
         gpus = gpus or (self.cluster.gpu,) * pp
         if check_memory is None:
             check_memory = not self.options.ignore_memory_limit
         part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory)
-        schedule = self.schedule(cand)
         specs = self.stage_specs(cand, gpus)
-        times = self._stage_times(cand, part, schedule, specs)
+        times = self._stage_times(cand, part, specs)
+        sums = self._rank_sums(cand, part, times, gpus)
+        if cutoff_ms is not None:
+            floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=part.stage_to_rank,
+                                      fwd_ms=times.fwd_ms, bwd_ms=times.bwd_ms, num_microbatches=cand.num_microbatches)
+            if (floor + sums.sync_ms + sums.optimizer_ms) * (1 - 1e-9) > cutoff_ms:
+                return None
+        schedule = self.schedule(cand)
         sim = simulate(schedule, times, p2p=self._p2p(cand))
-        return self._plan(cand, part, schedule, sim, specs, gpus, times)
+        return self._plan(cand, part, sim, specs, gpus, sums)
 
-    def _stage_times(self, cand: Candidate, part: Partition, schedule, specs) -> StageTimes:
+    def _stage_times(self, cand: Candidate, part: Partition, specs) -> StageTimes:
         layers = self.profile(cand).layers
         fwd, bwd, wgrad, act = [], [], [], []
         start = 0
         for stage, count in enumerate(part.layers_per_stage):
-            scale = specs[schedule.stage_to_rank[stage]].time_scale
+            scale = specs[part.stage_to_rank[stage]].time_scale
             chunk = layers[start:start + count]
             start += count
             fwd.append(scale * sum(layer.fwd_ms for layer in chunk))
@@ -243,35 +286,39 @@ class Evaluator:
                              pipeline_model_parallel_size=par.pipeline_model_parallel_size)
         return P2PCost.from_link(link, p2p_bytes=cost.p2p_bytes(model=self.model, parallel=par, train=cand.train))
 
-    def _plan(self, cand: Candidate, part: Partition, schedule, sim, specs, gpus, times: StageTimes) -> Plan:
+    def _rank_sums(self, cand: Candidate, part: Partition, times: StageTimes, gpus) -> _RankSums:
         par, train = cand.parallel, cand.train
         pp = par.pipeline_model_parallel_size
         layers = self.profile(cand).layers
-        rank_of = schedule.stage_to_rank
         static = [0.0] * pp
         params = [0.0] * pp
         fwd = [0.0] * pp
         bwd = [0.0] * pp
         start = 0
         for stage, count in enumerate(part.layers_per_stage):
-            rank = rank_of[stage]
+            rank = part.stage_to_rank[stage]
             chunk = layers[start:start + count]
             start += count
             static[rank] += sum(layer.static_bytes for layer in chunk)
             params[rank] += sum(layer.param_count for layer in chunk)
             fwd[rank] += times.fwd_ms[stage]
             bwd[rank] += times.bwd_ms[stage]
-        act = [stats.peak_activation_bytes for stats in sim.ranks]
-        usages = tuple(
-            StageUsage(time_ms=fwd[r] + bwd[r], static_bytes=static[r], activation_bytes=act[r],
-                       total_bytes=static[r] + act[r], gpu_name=gpus[r].name if self.cluster.is_heterogeneous else "")
-            for r in range(pp)
-        )
         sync = max(dp_sync_ms(params_per_gpu=params[r], precision=train.precision, cluster=self.cluster,
                               parallel=par, backward_ms=bwd[r], forward_ms=fwd[r]) for r in range(pp))
         optimizer = max(optimizer_step_ms(params_per_gpu=params[r], gpu=gpus[r], parallel=par,
                                           precision=train.precision) for r in range(pp))
-        return _metrics(self, cand, part, sim, usages, specs, sync, optimizer)
+        return _RankSums(static_bytes=tuple(static), fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), sync_ms=sync,
+                         optimizer_ms=optimizer)
+
+    def _plan(self, cand: Candidate, part: Partition, sim, specs, gpus, sums: _RankSums) -> Plan:
+        static, fwd, bwd = sums.static_bytes, sums.fwd_ms, sums.bwd_ms
+        act = [stats.peak_activation_bytes for stats in sim.ranks]
+        usages = tuple(
+            StageUsage(time_ms=fwd[r] + bwd[r], static_bytes=static[r], activation_bytes=act[r],
+                       total_bytes=static[r] + act[r], gpu_name=gpus[r].name if self.cluster.is_heterogeneous else "")
+            for r in range(cand.parallel.pipeline_model_parallel_size)
+        )
+        return _metrics(self, cand, part, sim, usages, specs, sums.sync_ms, sums.optimizer_ms)
 
 
 def _metrics(ev: Evaluator, cand: Candidate, part: Partition, sim, usages, specs, sync_ms, optimizer_ms) -> Plan:
@@ -308,33 +355,6 @@ def _metrics(ev: Evaluator, cand: Candidate, part: Partition, sim, usages, specs
 
 
 _V_SHAPED = ("zb_v", "dualpipe_v")
-
-
-def _least_in_flight(schedule: str, pp: int, m: int) -> tuple[int, ...]:
-    if schedule == "gpipe":
-        return (m,) * pp
-    if schedule in ("1f1b", "zb_h1", "zb_h2"):
-        return tuple(min(pp - rank, m) for rank in range(pp))
-    return (1,) * pp
-
-
-def _water_level(pinned: list[float], per_layer: list[float], num_layers: int) -> float:
-    """Smallest M with sum_r max(0, (M - pinned_r) / per_layer_r) >= num_layers.
-
-    Ranks join in increasing ``pinned`` order; with active set A the level is
-    (N + sum_A pinned/cost) / sum_A 1/cost, valid once it does not exceed the next pinned value.
-    """
-    order = sorted(range(len(pinned)), key=pinned.__getitem__)
-    weight = offset = 0.0
-    level = max(pinned)
-    for position, rank in enumerate(order):
-        weight += 1.0 / per_layer[rank]
-        offset += pinned[rank] / per_layer[rank]
-        level = (num_layers + offset) / weight
-        following = pinned[order[position + 1]] if position + 1 < len(order) else float("inf")
-        if level <= following:
-            break
-    return max(level, max(pinned))
 
 
 def _profile_ms(profile: Profile) -> float:

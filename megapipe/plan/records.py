@@ -194,6 +194,8 @@ class SearchStats:
     """Candidates generated, pruned ones included."""
     evaluated: int = 0
     """Candidates that reached a step-time figure (bound or exact)."""
+    partitioned: int = 0
+    """Exact partition solves (one per candidate and placement that passed the memory check)."""
     simulated: int = 0
     """Candidates partitioned and simulated exactly."""
     pruned: tuple[tuple[str, int], ...] = ()
@@ -204,6 +206,7 @@ class SearchStats:
         return {
             "enumerated": self.enumerated,
             "evaluated": self.evaluated,
+            "partitioned": self.partitioned,
             "simulated": self.simulated,
             "pruned": dict(self.pruned),
             "seconds": round(self.seconds, 4),

@@ -13,8 +13,13 @@ Order of work:
    same way, and a step-time bound is a bound for both objectives. Once ``top_k``
    feasible plans are known and the next bound is no better than the k-th, the rest
    cannot rank and are skipped (``bound``).
-4. Exact evaluation can still fail: the solver finds no split that fits (``memory``)
-   or the schedule rejects the sizes (``schedule``).
+4. Memory is decided in closed form from the chunks' capacities
+   (:func:`megapipe.plan.bounds.split_can_fit`, exact for identical decoder layers) before
+   any solve (``memory``); the solver can still find no split for other profiles.
+5. The survivor is partitioned; if the partition's step floor (every rank's work plus the
+   forward/backward chains it must wait for, and the exact DP sync and optimizer step)
+   already exceeds the k-th best, it is not simulated (``bound``). Only the rest are
+   simulated, so every ranked plan is exact. The schedule can reject sizes (``schedule``).
 
 With ``search.bubble_target`` every micro-batch size of a layout competes on its bubble,
 not on its bound, so step 3 is skipped.
@@ -60,15 +65,16 @@ def search(
                                  use_distributed_optimizer=use_distributed_optimizer)
     pruned = Counter(space.pruned)
     bounded = _bound_all(evaluator, space.candidates, pruned)
-    plans, simulated, memory_floor = _branch_and_bound(evaluator, bounded, pruned, progress)
+    plans, work, memory_floor = _branch_and_bound(evaluator, bounded, pruned, progress)
     if not plans:
         raise InfeasibleError(_no_plan_message(model, cluster, train, pruned, memory_floor))
     ranked = rank_plans(plans, objective=options.objective, top_k=options.top_k, bubble_target=options.bubble_target)
     best = ranked[0]
     baseline = _try(evaluator, _candidate_of(best), method="equal", gpus=_gpus_of(evaluator, best))
     reference = _reference(evaluator, train, use_distributed_optimizer)
-    stats = SearchStats(enumerated=space.enumerated, evaluated=len(bounded), simulated=simulated,
-                        pruned=tuple(sorted(pruned.items())), seconds=time.perf_counter() - started)
+    stats = SearchStats(enumerated=space.enumerated, evaluated=len(bounded), partitioned=work["partitioned"],
+                        simulated=work["simulated"], pruned=tuple(sorted(pruned.items())),
+                        seconds=time.perf_counter() - started)
     gain = best.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
     return SearchResult(plans=ranked, baseline=baseline, reference=reference, stats=stats,
                         profile=evaluator.profile(_candidate_of(best)),
@@ -108,21 +114,21 @@ def _min_time_scale(evaluator: Evaluator) -> float:
     )
 
 
-def _branch_and_bound(evaluator: Evaluator, bounded, pruned: Counter, progress) -> tuple[list[Plan], int, float]:
+def _branch_and_bound(evaluator: Evaluator, bounded, pruned: Counter, progress) -> tuple[list[Plan], Counter, float]:
     options = evaluator.options
     keep_all = options.bubble_target is not None
     plans: list[Plan] = []
     feasible_steps: list[float] = []
-    simulated = 0
+    work: Counter = Counter()
     memory_floor = float("inf")
     for done, (bound_ms, _, cand) in enumerate(bounded):
         if progress is not None:
             progress(done, len(bounded))
-        if not keep_all and len(feasible_steps) >= options.top_k and bound_ms >= feasible_steps[options.top_k - 1]:
+        cutoff = None if keep_all or len(feasible_steps) < options.top_k else feasible_steps[options.top_k - 1]
+        if cutoff is not None and bound_ms >= cutoff:
             pruned["bound"] += len(bounded) - done
             break
-        simulated += 1
-        plan = _best_placement(evaluator, cand, pruned)
+        plan = _best_placement(evaluator, cand, pruned, work, cutoff)
         if plan is None:
             continue
         if not plan.feasible:
@@ -131,25 +137,39 @@ def _branch_and_bound(evaluator: Evaluator, bounded, pruned: Counter, progress) 
         if plan.feasible:
             feasible_steps.append(plan.step_time_s * 1e3)
             feasible_steps.sort()
-    return plans, simulated, memory_floor
+    return plans, work, memory_floor
 
 
-def _best_placement(evaluator: Evaluator, cand: Candidate, pruned: Counter) -> Plan | None:
+def _best_placement(evaluator: Evaluator, cand: Candidate, pruned: Counter, work: Counter,
+                    cutoff_ms: float | None) -> Plan | None:
+    """The best placement's plan; None when every placement is out of memory or provably cannot rank.
+
+    Memory is decided in closed form first (:meth:`Evaluator.split_can_fit`), then each
+    partition's step floor is checked against ``cutoff_ms`` before it is simulated.
+    """
     choices = placements(evaluator.cluster, cand.parallel)
     if not choices:
         pruned["placement"] += 1
         return None
-    results = []
+    results, cut = [], False
     for gpus in choices:
         try:
-            results.append(evaluator.evaluate(cand, gpus=gpus))
+            if not evaluator.split_can_fit(cand, gpus):
+                continue
+            work["partitioned"] += 1
+            plan = evaluator.evaluate(cand, gpus=gpus, cutoff_ms=cutoff_ms)
         except InfeasibleError:
             continue
         except ScheduleError:
             pruned["schedule"] += 1
             return None
+        if plan is None:
+            cut = True
+            continue
+        work["simulated"] += 1
+        results.append(plan)
     if not results:
-        pruned["memory"] += 1
+        pruned["bound" if cut else "memory"] += 1
         return None
     return min(results, key=lambda plan: score(plan, "throughput"))
 

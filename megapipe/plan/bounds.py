@@ -1,0 +1,141 @@
+"""Closed forms the search prunes with before simulating; each is provable, so ranking stays exact.
+
+* :func:`least_in_flight` and :func:`water_level`: a lower bound on the fullest rank's bytes
+  over every split, without a partition.
+* :func:`layer_shape` and :func:`split_can_fit`: the partition solver's memory feasibility in
+  closed form when the decoder layers are identical (the cost model's case): a chunk with
+  in-flight count k holds at most floor((cap - pinned) / (static + k act)) decoders, so a split
+  exists iff every chunk can hold what it must and the capacities add up to the decoder count.
+* :func:`pipeline_floor_ms`: a lower bound on the simulated step of one partition, from its
+  stage times alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megapipe.records import LayerCost, LayerKind
+
+__all__ = ["LayerShape", "least_in_flight", "water_level", "layer_shape", "split_can_fit", "pipeline_floor_ms",
+           "FUSED_BACKWARD"]
+
+FUSED_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved_1f1b"})
+"""Schedules whose backward is one op (B), so a rank's last op is a backward that must drain upstream."""
+
+_SLACK = 1e-6
+"""Decoder-count slack that absorbs the solver's prefix-sum rounding: split_can_fit only says no when sure."""
+
+
+def least_in_flight(schedule: str, pipeline_model_parallel_size: int, num_microbatches: int) -> tuple[int, ...]:
+    """Per rank, microbatches every layer on it keeps at least (1F1B: min(p - r, m); GPipe: m).
+
+    ZB-H1/H2 release at W, after 1F1B's B, so they hold at least as many; interleaved and
+    V-shaped schedules are bounded by 1 (a chunk may sit where little is in flight).
+    """
+    pp, m = pipeline_model_parallel_size, num_microbatches
+    if schedule == "gpipe":
+        return (m,) * pp
+    if schedule in ("1f1b", "zb_h1", "zb_h2"):
+        return tuple(min(pp - rank, m) for rank in range(pp))
+    return (1,) * pp
+
+
+def water_level(pinned: Sequence[float], per_layer: Sequence[float], num_layers: int) -> float:
+    """Smallest M with sum_r max(0, (M - pinned_r) / per_layer_r) >= num_layers.
+
+    Ranks join in increasing ``pinned`` order; with active set A the level is
+    (N + sum_A pinned/cost) / sum_A 1/cost, valid once it does not exceed the next pinned value.
+    """
+    order = sorted(range(len(pinned)), key=pinned.__getitem__)
+    weight = offset = 0.0
+    level = max(pinned)
+    for position, rank in enumerate(order):
+        weight += 1.0 / per_layer[rank]
+        offset += pinned[rank] / per_layer[rank]
+        level = (num_layers + offset) / weight
+        following = pinned[order[position + 1]] if position + 1 < len(order) else float("inf")
+        if level <= following:
+            break
+    return max(level, max(pinned))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerShape:
+    """A profile of the form [head] + identical decoders + [tail]: what split_can_fit needs."""
+
+    decoder: LayerCost
+    num_decoders: int
+    head: LayerCost | None
+    """A non-decoder first entry (the embedding); it always sits on the first layout stage."""
+    tail: LayerCost | None
+    """A non-decoder last entry (the loss); it always sits on the last layout stage."""
+
+
+def layer_shape(layers: Sequence[LayerCost]) -> LayerShape | None:
+    """The profile's shape, or None when its decoders differ in bytes or other kinds sit between them."""
+    head = layers[0] if layers and layers[0].kind != LayerKind.decoder else None
+    tail = layers[-1] if len(layers) > 1 and layers[-1].kind != LayerKind.decoder else None
+    middle = layers[(head is not None): len(layers) - (tail is not None)]
+    if not middle:
+        return None
+    first = middle[0]
+    for layer in middle:
+        if layer.kind != LayerKind.decoder or (layer.static_bytes, layer.act_bytes) != (first.static_bytes,
+                                                                                        first.act_bytes):
+            return None
+    return LayerShape(decoder=first, num_decoders=len(middle), head=head, tail=tail)
+
+
+def split_can_fit(*, shape: LayerShape, caps: Sequence[float], in_flight: Sequence[int]) -> bool:
+    """False only if no split into len(caps) non-empty layout stages keeps every stage within its cap.
+
+    Layout stage c needs pinned_c + d_c (static + k_c act) for d_c decoders; a stage holding
+    neither the head nor the tail needs d_c >= 1. Decoders are interchangeable, so such counts
+    exist iff each stage's capacity meets its minimum and the capacities sum to num_decoders.
+    """
+    last = len(caps) - 1
+    decoder = shape.decoder
+    capacity_sum = 0
+    for chunk, (cap, count) in enumerate(zip(caps, in_flight)):
+        pinned, holds_entry = 0.0, False
+        for entry, where in ((shape.head, 0), (shape.tail, last)):
+            if entry is not None and chunk == where:
+                pinned += entry.static_bytes + count * entry.act_bytes
+                holds_entry = True
+        unit = decoder.static_bytes + count * decoder.act_bytes
+        room = cap - pinned
+        if unit <= 0:
+            if room < -_SLACK * abs(cap):
+                return False
+            capacity_sum = shape.num_decoders
+            continue
+        capacity = math.floor(room / unit + _SLACK)
+        if capacity < (0 if holds_entry else 1):
+            return False
+        capacity_sum += capacity
+    return capacity_sum >= shape.num_decoders
+
+
+def pipeline_floor_ms(*, schedule: str, stage_to_rank: Sequence[int], fwd_ms: Sequence[float],
+                      bwd_ms: Sequence[float], num_microbatches: int) -> float:
+    """A lower bound on the simulated pipeline time of one partition.
+
+    Rank r runs m (F + B) of each of its stages back to back; its first op is an F of some
+    stage s on it, which waits for F of stages 0..s-1 of that microbatch; with a fused
+    backward its last op is a B of a stage s on it, after which B of stages s-1..0 must still
+    run. With f the smallest stage on r: step >= sum_{s<f} F_s + m sum_{s on r} (F_s + B_s)
+    (+ sum_{s<f} B_s when fused). Message delays are >= 0 and left out.
+    """
+    fused = schedule in FUSED_BACKWARD
+    first: dict[int, int] = {}
+    busy: dict[int, float] = {}
+    for stage, rank in enumerate(stage_to_rank):
+        first.setdefault(rank, stage)
+        busy[rank] = busy.get(rank, 0.0) + fwd_ms[stage] + bwd_ms[stage]
+    floor = 0.0
+    for rank, stage in first.items():
+        before = sum(fwd_ms[:stage]) + (sum(bwd_ms[:stage]) if fused else 0.0)
+        floor = max(floor, before + num_microbatches * busy[rank])
+    return floor

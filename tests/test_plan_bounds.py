@@ -1,0 +1,86 @@
+"""The search's closed-form prunes against the exact solver and simulator they stand in for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megapipe import schedules
+from megapipe.errors import InfeasibleError
+from megapipe.plan.bounds import layer_shape, pipeline_floor_ms, split_can_fit
+from megapipe.plan.evaluate import Evaluator
+from megapipe.plan.records import SearchOptions
+from megapipe.plan.space import enumerate_candidates
+from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, LinkSpec, ModelSpec, NodeGroup, TrainSpec
+from megapipe.simulate import StageTimes, simulate
+
+NVLINK = LinkSpec(kind="nvlink", bandwidth_gbytes_per_s=450.0, latency_us=3.0)
+IB = LinkSpec(kind="infiniband", bandwidth_gbytes_per_s=50.0, latency_us=5.0)
+MODEL = ModelSpec(name="m", num_layers=16, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                  ffn_hidden_size=14336, vocab_size=128256, seq_length=4096)
+TRAIN = TrainSpec(global_batch_size=64, seq_length=4096)
+
+
+def _cluster(memory_gib: float) -> ClusterSpec:
+    gpu = GpuSpec(name="g", bf16_tflops=989.0, hbm_gbytes_per_s=3350.0, memory_gib=memory_gib)
+    return ClusterSpec(name="c", gpus_per_node=8, price_per_gpu_hour=2.0, intra_node=NVLINK, inter_node=IB,
+                       node_groups=(NodeGroup(gpu=gpu, num_nodes=2),))
+
+
+@pytest.mark.parametrize("memory_gib", [12.0, 20.0, 40.0])
+def test_split_can_fit_equals_the_solver(memory_gib):
+    """Every candidate, every schedule: the closed form says no exactly when the solver finds no split."""
+    cluster = _cluster(memory_gib)
+    options = SearchOptions(micro_batch_sizes=(1, 2, 4), max_virtual_pipeline_model_parallel_size=4)
+    ev = Evaluator(model=MODEL, cluster=cluster, options=options)
+    space = enumerate_candidates(model=MODEL, cluster=cluster, train=TRAIN, options=options)
+    verdicts = []
+    for cand in space.candidates:
+        try:
+            ev.partition(cand)
+            fits = True
+        except InfeasibleError:
+            fits = False
+        assert ev.split_can_fit(cand) == fits, (cand.schedule, cand.parallel, cand.train)
+        verdicts.append(fits)
+    assert 0 < sum(verdicts) < len(verdicts)
+
+
+def test_split_can_fit_abstains_on_unequal_decoders():
+    unit = LayerCost(name="d", kind=LayerKind.decoder, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=1.0, static_bytes=10.0, act_bytes=5.0)
+    other = dataclasses.replace(unit, act_bytes=6.0)
+    assert layer_shape([unit, other]) is None
+    shape = layer_shape([unit] * 4)
+    assert shape is not None and shape.head is None and shape.num_decoders == 4
+    # Two stages with one in flight: each holds at most floor(31 / 15) = 2 decoders; four fit, five do not.
+    assert split_can_fit(shape=shape, caps=(31.0, 31.0), in_flight=(1, 1))
+    assert not split_can_fit(shape=dataclasses.replace(shape, num_decoders=5), caps=(31.0, 31.0), in_flight=(1, 1))
+    assert not split_can_fit(shape=shape, caps=(100.0, 14.0), in_flight=(1, 1))  # second stage cannot hold one
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(schedules.SCHEDULE_NAMES),
+    pp=st.integers(2, 5),
+    m_factor=st.integers(1, 3),
+    data=st.data(),
+)
+def test_pipeline_floor_never_exceeds_the_simulation(name, pp, m_factor, data):
+    vp = {"interleaved_1f1b": data.draw(st.integers(2, 3)), "zb_v": 2, "dualpipe_v": 2}.get(name, 1)
+    m = 2 * pp * m_factor
+    schedule = schedules.build(name, pipeline_model_parallel_size=pp, num_microbatches=m,
+                               virtual_pipeline_model_parallel_size=vp)
+    stages = schedule.num_stages
+    times = st.floats(0.1, 10.0, allow_nan=False)
+    fwd = data.draw(st.lists(times, min_size=stages, max_size=stages))
+    bwd = data.draw(st.lists(times, min_size=stages, max_size=stages))
+    wgrad = [b * data.draw(st.floats(0.0, 1.0)) for b in bwd]
+    result = simulate(schedule, StageTimes(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), wgrad_ms=tuple(wgrad)))
+    floor = pipeline_floor_ms(schedule=name, stage_to_rank=schedule.stage_to_rank, fwd_ms=fwd, bwd_ms=bwd,
+                              num_microbatches=m)
+    assert floor <= result.step_time_ms * (1 + 1e-9)
+    assert floor >= max(m * sum(f + b for f, b, r in zip(fwd, bwd, schedule.stage_to_rank) if r == rank)
+                        for rank in range(pp)) * (1 - 1e-9)
