@@ -41,8 +41,8 @@ from megapipe.records import LayerCost, Partition, StageSpec
 from megapipe.schedules import build
 from megapipe.simulate import P2PCost, StageTimes, simulate
 
-__all__ = ["MONITOR_FORMAT", "ATTRIBUTIONS", "MeasuredRun", "kind_factors", "Replan", "measured_run", "stage_entries", "attribute_times",
-           "attribute_memory", "replan"]
+__all__ = ["MONITOR_FORMAT", "ATTRIBUTIONS", "MeasuredRun", "Replan", "measured_run", "stage_entries",
+           "kind_factors", "attribute_times", "attribute_memory", "replan"]
 
 MONITOR_FORMAT = "megapipe-monitor/1"
 ATTRIBUTIONS = ("stage", "kind")
@@ -215,8 +215,9 @@ def kind_factors(profile: Profile, *, layers_per_stage: Sequence[int], attr: str
 def _by_kind(profile: Profile, counts: Sequence[int], forward: Sequence[float], backward: Sequence[float]) -> Profile:
     fwd = kind_factors(profile, layers_per_stage=counts, attr="fwd_ms", measured_ms=forward)
     bwd = kind_factors(profile, layers_per_stage=counts, attr="bwd_ms", measured_ms=backward)
-    layers = tuple(dataclasses.replace(layer, fwd_ms=layer.fwd_ms * fwd[layer.kind], bwd_ms=layer.bwd_ms * bwd[layer.kind],
-                                       wgrad_ms=layer.wgrad_ms * bwd[layer.kind]) for layer in profile.layers)
+    layers = tuple(dataclasses.replace(layer, fwd_ms=layer.fwd_ms * fwd[layer.kind],
+                                       bwd_ms=layer.bwd_ms * bwd[layer.kind], wgrad_ms=layer.wgrad_ms * bwd[layer.kind])
+                   for layer in profile.layers)
     return dataclasses.replace(profile, layers=layers)
 
 

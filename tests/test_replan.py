@@ -243,6 +243,7 @@ def test_command_writes_corrected_profile_and_suggests(tmp_path, capsys):
     assert result["num_microbatches"] == 8 and result["predicted_gain"] > 0.15
     assert any("Et*5|t*3L" in override for override in result["bridge_overrides"])
     assert "--pipeline-model-parallel-layout" in result["megatron_args"]
+    assert "--global-batch-size 8" in result["megatron_args"]  # 8 microbatches from the log, DP 1
     corrected = Profile.load(out / "profile.yaml")
     assert sum(e.fwd_ms for e in corrected.layers[:5]) == pytest.approx(8.2)
     assert sum(e.bwd_ms for e in corrected.layers[5:]) == pytest.approx(40.4)
@@ -284,6 +285,8 @@ def test_command_errors_are_one_line_exit_2(tmp_path, capsys):
     assert main(["replan", str(other), *CFG, f"output.dir={tmp_path / 'o'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "profile has 6 decoder layers" in err[0] and "num_layers=8" in err[0]
+    assert main(["replan", str(other), *CFG, "search.replan_attribution=layer"]) == 2
+    assert "search.replan_attribution='layer'" in capsys.readouterr().err
     assert main(["replan", *CFG]) == 2
     assert "megapipe replan RUN_DIR" in capsys.readouterr().err
     with pytest.raises(MegapipeError):

@@ -16,6 +16,7 @@ the current layout stays (gain below ``search.min_gain``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from megapipe.config import Setup, to_setup
 from megapipe.errors import ConfigError
 from megapipe.profile.format import Profile, atomic_write_text
 from megapipe.profile.match import match_profile
-from megapipe.replan import MeasuredRun, Replan, measured_run, replan
+from megapipe.replan import ATTRIBUTIONS, MeasuredRun, Replan, measured_run, replan
 from megapipe.stages import stage_specs
 
 __all__ = ["run", "precheck", "result_dict"]
@@ -84,11 +85,16 @@ def _config_setup(cfg: DictConfig, measured: MeasuredRun) -> Setup:
         probe.parallel.pipeline_model_parallel_size = measured.pipeline_model_parallel_size
     if probe.parallel.get("virtual_pipeline_model_parallel_size") is None:
         probe.parallel.virtual_pipeline_model_parallel_size = stages // measured.pipeline_model_parallel_size
-    if probe.train.get("num_microbatches") is None and measured.num_microbatches:
+    from_log = probe.train.get("num_microbatches") is None and bool(measured.num_microbatches)
+    if from_log:
         probe.train.num_microbatches = measured.num_microbatches
     if probe.schedule.get("name") is None:
         probe.schedule.name = "1f1b" if stages == measured.pipeline_model_parallel_size else "interleaved_1f1b"
-    return to_setup(probe)
+    setup = to_setup(probe)
+    if from_log:  # the emitted global batch must agree with the run's micro-batches
+        batch = setup.num_microbatches * setup.train.micro_batch_size * setup.parallel.data_parallel_size
+        setup = dataclasses.replace(setup, train=dataclasses.replace(setup.train, global_batch_size=batch))
+    return setup
 
 
 def _profile(cfg: DictConfig, run_dir: str, setup: Setup) -> Profile:
@@ -104,9 +110,10 @@ def _check_sizes(setup: Setup, measured: MeasuredRun, plan: dict | None) -> None
         raise ConfigError(f"the monitor log is from layout {measured.layout!r} but plan.yaml planned "
                           f"{plan['best']['layout']!r}; replan the run that used the planned layout")
     stages = par.pipeline_model_parallel_size * par.virtual_pipeline_model_parallel_size
-    if measured.pipeline_model_parallel_size != par.pipeline_model_parallel_size or len(measured.stage_forward_ms) != stages:
+    stages_measured = len(measured.stage_forward_ms)
+    if measured.pipeline_model_parallel_size != par.pipeline_model_parallel_size or stages_measured != stages:
         raise ConfigError(
-            f"the monitor log has {len(measured.stage_forward_ms)} stages on {measured.pipeline_model_parallel_size} "
+            f"the monitor log has {stages_measured} stages on {measured.pipeline_model_parallel_size} "
             f"pipeline ranks but the config has pipeline_model_parallel_size={par.pipeline_model_parallel_size} x "
             f"virtual_pipeline_model_parallel_size={par.virtual_pipeline_model_parallel_size}; set them to the run's"
         )
@@ -171,6 +178,10 @@ def run(cfg: DictConfig) -> None:
     from megapipe.monitor.jsonl import read_monitor
 
     run_dir = _run_dir(cfg)
+    attribution = str(cfg.search.get("replan_attribution") or "stage")
+    if attribution not in ATTRIBUTIONS:
+        raise ConfigError(f"search.replan_attribution={attribution!r} is not known; "
+                          f"use one of {', '.join(ATTRIBUTIONS)}")
     records = read_monitor(run_dir)
     plan = _load_plan(run_dir)
     measured = measured_run(records, layout=plan["best"].get("layout") if plan else None)
@@ -183,7 +194,7 @@ def run(cfg: DictConfig) -> None:
                     num_microbatches=setup.num_microbatches, p2p=pipeline_p2p(setup),
                     min_gain=float(cfg.search.get("min_gain", 0.02)),
                     microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage,
-                    attribution=str(cfg.search.get("replan_attribution") or "stage"))
+                    attribution=attribution)
     directory = output_dir(cfg)
     result.corrected.save(os.path.join(directory, "profile.yaml"))
     summary = result_dict(setup, measured, result, directory=directory)
