@@ -3,7 +3,7 @@
 Each spawned rank runs what ``torchrun`` would start: a Trainer whose strategy
 (a DDPStrategy that skips the DDP wrap, as NeMo 2's MegatronStrategy does) sets up
 megatron-core's parallel state; the LightningModule trains a megatron-core GPT
-through ``get_forward_backward_func()`` with manual optimization. The callback
+through ``get_forward_backward_func()`` with manual optimization (tests/_lightning_gpt.py). The callback
 logs through ``log_dict`` to a CSVLogger; the test reads the CSV back.
 """
 
@@ -16,6 +16,7 @@ import os
 import pytest
 
 import _megatron_cpu as mc
+from _lightning_gpt import GPTSetup, classes
 
 pytestmark = pytest.mark.engine
 
@@ -25,57 +26,6 @@ TOKENS = MICROBATCHES * 2 * 16
 DELAYS = mc.UnitDelays(decoder=(3.0, 6.0), loss=(10.0, 20.0))
 
 
-def _classes():
-    import lightning.pytorch as pl
-    import torch
-    from lightning.pytorch.strategies import DDPStrategy
-
-    class MegatronLikeStrategy(DDPStrategy):
-        """DDP process group, megatron-core parallel state, no DDP wrapper."""
-
-        def setup_distributed(self) -> None:
-            super().setup_distributed()
-            mc.init_model_parallel(pipeline_model_parallel_size=2)
-
-        def configure_ddp(self) -> None:
-            pass
-
-    class GPTPipeline(pl.LightningModule):
-        tokens_per_step = TOKENS
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
-            self.chunks = None
-            self.losses: list[float] = []
-
-        def configure_model(self) -> None:
-            if self.chunks is None:
-                self.chunks = torch.nn.ModuleList(mc.build_gpt_chunks(layout="Et*2|t*2L", num_layers=4,
-                                                                      delays_ms=DELAYS))
-
-        def training_step(self, batch, batch_idx):
-            from megatron.core.pipeline_parallel import get_forward_backward_func
-
-            optimizer = self.optimizers()
-            optimizer.zero_grad()
-            data = mc._microbatches(step=batch_idx, num_microbatches=MICROBATCHES, micro_batch_size=2,
-                                    seq_length=16, data_seed=7, vocab_size=mc.VOCAB_SIZE)
-            out = get_forward_backward_func()(
-                forward_step_func=mc._forward_step, data_iterator=data, model=self.chunks[0],
-                num_microbatches=MICROBATCHES, seq_length=16, micro_batch_size=2, forward_only=False)
-            optimizer.step()
-            self.losses.append(sum(float(o["loss"]) for o in out) / len(out) if out else math.nan)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(list(range(STEPS)), batch_size=1)
-
-    return MegatronLikeStrategy, GPTPipeline
-
-
 def _train(rank, world_size, root, with_callback):
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
@@ -83,7 +33,8 @@ def _train(rank, world_size, root, with_callback):
     from megapipe.monitor.lightning import MegapipeCallback
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
-    strategy_cls, module_cls = _classes()
+    setup = GPTSetup(layout="Et*2|t*2L", num_steps=STEPS, num_microbatches=MICROBATCHES, delays=DELAYS)
+    strategy_cls, module_cls = classes(setup)
     callback = MegapipeCallback(log_dir=f"{root}/monitor", topology_budget_s=0.5) if with_callback else None
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy_cls(process_group_backend="gloo"),

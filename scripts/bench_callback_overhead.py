@@ -1,0 +1,84 @@
+"""Training monitor overhead: the same CPU training with and without the monitor attached.
+
+    python scripts/bench_callback_overhead.py [--rounds 6] [--steps 10] [--log-every 10]
+
+Two gloo ranks run megatron-core's real 1F1B schedule (pp=2, the test harness's
+GPT on CPU). Blocks of ``--steps`` steps without the monitor (the yardstick)
+alternate with blocks with it (schedule hook + ``step_end`` after every step,
+metrics and JSONL every ``--log-every`` steps, topology check off); a block's
+figure is its wall time per step on the slower rank, and each variant's figure
+is the median over rounds. Also printed: the time spent inside ``step_end``
+calls per step (the monitor's own work on the step's critical path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import _megatron_cpu as mc  # noqa: E402
+
+
+def _block(models, *, steps, monitor_kwargs, microbatches):
+    from megapipe.monitor.monitor import attach_monitor
+
+    mon = attach_monitor(models, **monitor_kwargs) if monitor_kwargs is not None else None
+    inside = [0.0]
+
+    def between(step):
+        if mon is not None:
+            start = time.perf_counter()
+            mon.step_end(step)
+            inside[0] += time.perf_counter() - start
+
+    if mon is not None:
+        mon.train_start()
+    start = time.perf_counter()
+    mc.train_steps(models, num_steps=steps, num_microbatches=microbatches, micro_batch_size=2, seq_length=64,
+                   between_steps=between)
+    wall = (time.perf_counter() - start) / steps
+    if mon is not None:
+        mon.train_end()
+    return wall, inside[0] / steps
+
+
+def _bench(rank, world_size, rounds, steps, log_every, log_dir):
+    with mc.megatron_cpu():
+        mc.init_model_parallel(pipeline_model_parallel_size=2)
+        models = mc.build_gpt_chunks(layout=None, num_layers=4, hidden_size=64, seq_length=64)
+        kwargs = dict(log_every=log_every, topology_check=False, log_dir=log_dir, tokens_per_step=8 * 2 * 64)
+        _block(models, steps=2, monitor_kwargs=None, microbatches=8)  # warm-up
+        out = {"without": [], "with": [], "inside": []}
+        for _ in range(rounds):
+            out["without"].append(_block(models, steps=steps, monitor_kwargs=None, microbatches=8)[0])
+            wall, inside = _block(models, steps=steps, monitor_kwargs=kwargs, microbatches=8)
+            out["with"].append(wall)
+            out["inside"].append(inside)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--log-every", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as log_dir:
+        ranks = mc.run_ranks(_bench, world_size=2, args=(args.rounds, args.steps, args.log_every, log_dir),
+                             timeout_s=900)
+    blocks = {key: [max(r[key][i] for r in ranks) for i in range(args.rounds)] for key in ("without", "with", "inside")}
+    without, with_ = statistics.median(blocks["without"]) * 1e3, statistics.median(blocks["with"]) * 1e3
+    inside = statistics.median(blocks["inside"]) * 1e3
+    print(f"log_every={args.log_every}: step without monitor {without:.2f} ms (yardstick), with {with_:.2f} ms, "
+          f"ratio {with_ / without:.4f} ({(with_ / without - 1) * 100:+.2f}%); inside step_end {inside:.3f} ms/step "
+          f"= {inside / without * 100:.2f}% of the step; load {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
