@@ -84,3 +84,21 @@ def test_pipeline_floor_never_exceeds_the_simulation(name, pp, m_factor, data):
     assert floor <= result.step_time_ms * (1 + 1e-9)
     assert floor >= max(m * sum(f + b for f, b, r in zip(fwd, bwd, schedule.stage_to_rank) if r == rank)
                         for rank in range(pp)) * (1 - 1e-9)
+
+
+def test_bound_layers_hold_the_profiles_numbers():
+    """The one-layer unit costs, repeated, equal the full cost-model profile entry by entry (names aside)."""
+    cluster = _cluster(80.0)
+    options = SearchOptions(micro_batch_sizes=(1, 2), max_virtual_pipeline_model_parallel_size=2)
+    model = dataclasses.replace(MODEL, mtp_num_layers=1)
+    space = enumerate_candidates(model=model, cluster=cluster, train=TRAIN, options=options)
+    seen = set()
+    for cand in space.candidates:
+        key = cand.layer_key + (cand.parallel.data_parallel_size,)
+        if key in seen:
+            continue
+        seen.add(key)
+        units = Evaluator(model=model, cluster=cluster, options=options).bound_layers(cand)
+        full = Evaluator(model=model, cluster=cluster, options=options).profile(cand).layers
+        assert [dataclasses.replace(u, name="") for u in units] == [dataclasses.replace(f, name="") for f in full]
+    assert len(seen) > 20

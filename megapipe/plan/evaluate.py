@@ -14,6 +14,7 @@ the sum of the GPUs' dense bf16 peaks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,10 +26,10 @@ from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
 from megapipe.plan.warnings import plan_warnings
 from megapipe.profile.format import Profile
-from megapipe.records import ClusterSpec, GpuSpec, LayerKind, LinkSpec, ModelSpec, Partition, StageSpec
+from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, LinkSpec, ModelSpec, Partition, StageSpec
 from megapipe.simulate import P2PCost, StageTimes, simulate
 
-__all__ = ["Bound", "Evaluator", "pipeline_link", "GIB"]
+__all__ = ["Bound", "Evaluator", "Prepared", "pipeline_link", "GIB"]
 
 GIB = 2**30
 
@@ -54,6 +55,20 @@ class _RankSums:
     bwd_ms: tuple[float, ...]
     sync_ms: float
     optimizer_ms: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepared:
+    """A partitioned candidate, before simulation; ``floor_ms`` bounds its step time from below."""
+
+    cand: Candidate
+    gpus: tuple[GpuSpec, ...]
+    partition: Partition
+    specs: tuple[StageSpec, ...]
+    times: StageTimes
+    sums: _RankSums
+    floor_ms: float
+    """:func:`pipeline_floor_ms` of the partition plus its exact DP sync and optimizer step."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +104,9 @@ class Evaluator:
         self._schedules: dict[tuple, object] = {}
         self._flops: dict[int, float] = {}
         self._shapes: dict[tuple, object] = {}
+        self._units: dict[tuple, tuple[LayerCost, ...]] = {}
+        self._forward_shares: dict[tuple, float] = {}
+        self._unit_model = dataclasses.replace(model, num_layers=1, mtp_num_layers=min(model.mtp_num_layers, 1))
 
     # -- layer costs -----------------------------------------------------------------
     def profile(self, cand: Candidate, gpu: GpuSpec | None = None) -> Profile:
@@ -103,11 +121,35 @@ class Evaluator:
             self._profiles[key] = found
         return found
 
+    def bound_layers(self, cand: Candidate, gpu: GpuSpec | None = None) -> tuple[LayerCost, ...]:
+        """The profile's entries with the same values, for bounds: without the per-layer records.
+
+        The cost model costs one decoder (and one MTP) layer and repeats it
+        (:func:`megapipe.cost.layer_costs`), so the costs of a one-layer model, each unit repeated
+        num_layers times by reference, hold the same numbers at a fraction of the cost; every sum
+        over them is the same sum. tests/test_plan_bounds.py checks the two agree.
+        """
+        if self.fixed_profile is not None:
+            return self.fixed_profile.layers
+        gpu = gpu or self.cluster.gpu
+        key = cand.layer_key + (cand.parallel.data_parallel_size, gpu.name)
+        if key in self._profiles:
+            return self._profiles[key].layers
+        found = self._units.get(key)
+        if found is None:
+            model = self.model
+            units = cost.layer_costs(model=self._unit_model, gpu=gpu, cluster=self.cluster, parallel=cand.parallel,
+                                     train=cand.train).layers
+            repeat = {LayerKind.decoder: model.num_layers, LayerKind.mtp: model.mtp_num_layers}
+            found = tuple(unit for unit in units for _ in range(repeat.get(unit.kind, 1)))
+            self._units[key] = found
+        return found
+
     def totals(self, cand: Candidate) -> _Totals:
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
         found = self._totals.get(key)
         if found is None:
-            layers = self.profile(cand).layers
+            layers = self.bound_layers(cand)
             found = _Totals(*(sum(getattr(layer, name) for layer in layers) for name in
                               ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes", "param_count")))
             self._totals[key] = found
@@ -154,9 +196,12 @@ class Evaluator:
         return Bound(step_ms=pipeline + optimizer + sync, memory_bytes=self.memory_bound(cand))
 
     def _forward_share(self, cand: Candidate) -> float:
-        layers = self.profile(cand).layers
-        return min((layer.fwd_ms / (layer.fwd_ms + layer.bwd_ms) for layer in layers
-                    if layer.fwd_ms + layer.bwd_ms > 0), default=0.0)
+        key = cand.layer_key + (cand.parallel.data_parallel_size,)
+        if key not in self._forward_shares:
+            self._forward_shares[key] = min((layer.fwd_ms / (layer.fwd_ms + layer.bwd_ms)
+                                             for layer in self.bound_layers(cand) if layer.fwd_ms + layer.bwd_ms > 0),
+                                            default=0.0)
+        return self._forward_shares[key]
 
     def memory_bound(self, cand: Candidate) -> float:
         """A lower bound on the fullest rank's bytes, over every split (water-filling).
@@ -174,7 +219,7 @@ class Evaluator:
         par = cand.parallel
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
         least = least_in_flight(cand.schedule, pp, m)
-        layers = self.profile(cand).layers
+        layers = self.bound_layers(cand)
         decoder = next((layer for layer in layers if layer.kind == LayerKind.decoder), None)
         if decoder is None:
             totals = self.totals(cand)
@@ -199,14 +244,19 @@ class Evaluator:
             self._schedules[key] = found
         return found
 
-    def stage_specs(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> tuple[StageSpec, ...]:
+    def stage_specs(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None, *,
+                    layers_of=None) -> tuple[StageSpec, ...]:
+        """One StageSpec per rank: memory, and time relative to the profiled GPU (1 on that GPU)."""
         pp = cand.parallel.pipeline_model_parallel_size
         gpus = gpus or (self.cluster.gpu,) * pp
-        ref = self.profile(cand)
-        ref_ms = _profile_ms(ref)
+        layers_of = layers_of or (lambda c, gpu=None: self.profile(c, gpu).layers)
+        ref_ms = None
         specs = []
         for gpu in gpus:
-            scale = 1.0 if gpu == self.cluster.gpu else _profile_ms(self.profile(cand, gpu)) / ref_ms
+            scale = 1.0
+            if gpu != self.cluster.gpu:
+                ref_ms = ref_ms if ref_ms is not None else _profile_ms(layers_of(cand))
+                scale = _profile_ms(layers_of(cand, gpu)) / ref_ms
             specs.append(StageSpec(time_scale=scale, memory_bytes=gpu.usable_memory_bytes, gpu_name=gpu.name))
         return tuple(specs)
 
@@ -226,7 +276,7 @@ class Evaluator:
         """
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
         if key not in self._shapes:
-            self._shapes[key] = layer_shape(self.profile(cand).layers)
+            self._shapes[key] = layer_shape(self.bound_layers(cand))
         shape = self._shapes[key]
         if shape is None or self.options.ignore_memory_limit:
             return True
@@ -235,18 +285,16 @@ class Evaluator:
         in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
                                      num_microbatches=cand.num_microbatches, virtual_pipeline_model_parallel_size=vp)
         ranks = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
-        specs = self.stage_specs(cand, gpus)
-        caps = chunk_memory_caps(layers=self.profile(cand).layers, stages=specs, in_flight=in_flight, ranks=ranks)
+        specs = self.stage_specs(cand, gpus, layers_of=self.bound_layers)
+        caps = chunk_memory_caps(layers=self.bound_layers(cand), stages=specs, in_flight=in_flight, ranks=ranks)
         return split_can_fit(shape=shape, caps=caps, in_flight=in_flight)
 
-    def evaluate(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
-                 check_memory: bool | None = None, cutoff_ms: float | None = None) -> Plan | None:
-        """Partition, simulate and price one candidate; raises InfeasibleError / ScheduleError.
+    def prepare(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
+                check_memory: bool | None = None) -> Prepared:
+        """Partition one candidate and price what does not need the simulation; raises InfeasibleError.
 
         ``check_memory`` None follows ``search.ignore_memory_limit``; False keeps a split that does
-        not fit, flagged infeasible with the GiB over. With ``cutoff_ms``, returns None without
-        simulating when the partition's step floor (:func:`pipeline_floor_ms` plus the exact DP
-        sync and optimizer step) already exceeds it.
+        not fit (the plan is then flagged infeasible with the GiB over).
         """
         pp = cand.parallel.pipeline_model_parallel_size
         gpus = gpus or (self.cluster.gpu,) * pp
@@ -256,14 +304,21 @@ class Evaluator:
         specs = self.stage_specs(cand, gpus)
         times = self._stage_times(cand, part, specs)
         sums = self._rank_sums(cand, part, times, gpus)
-        if cutoff_ms is not None:
-            floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=part.stage_to_rank,
-                                      fwd_ms=times.fwd_ms, bwd_ms=times.bwd_ms, num_microbatches=cand.num_microbatches)
-            if (floor + sums.sync_ms + sums.optimizer_ms) * (1 - 1e-9) > cutoff_ms:
-                return None
-        schedule = self.schedule(cand)
-        sim = simulate(schedule, times, p2p=self._p2p(cand))
-        return self._plan(cand, part, sim, specs, gpus, sums)
+        floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=part.stage_to_rank, fwd_ms=times.fwd_ms,
+                                  bwd_ms=times.bwd_ms, num_microbatches=cand.num_microbatches)
+        return Prepared(cand=cand, gpus=gpus, partition=part, specs=specs, times=times, sums=sums,
+                        floor_ms=floor + sums.sync_ms + sums.optimizer_ms)
+
+    def finish(self, prepared: Prepared) -> Plan:
+        """Simulate a prepared candidate's schedule and price the plan; raises ScheduleError."""
+        cand = prepared.cand
+        sim = simulate(self.schedule(cand), prepared.times, p2p=self._p2p(cand))
+        return self._plan(cand, prepared.partition, sim, prepared.specs, prepared.gpus, prepared.sums)
+
+    def evaluate(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
+                 check_memory: bool | None = None) -> Plan:
+        """Partition, simulate and price one candidate; raises InfeasibleError / ScheduleError."""
+        return self.finish(self.prepare(cand, method=method, gpus=gpus, check_memory=check_memory))
 
     def _stage_times(self, cand: Candidate, part: Partition, specs) -> StageTimes:
         layers = self.profile(cand).layers
@@ -357,5 +412,5 @@ def _metrics(ev: Evaluator, cand: Candidate, part: Partition, sim, usages, specs
 _V_SHAPED = ("zb_v", "dualpipe_v")
 
 
-def _profile_ms(profile: Profile) -> float:
-    return sum(layer.fwd_ms + layer.bwd_ms for layer in profile.layers)
+def _profile_ms(layers) -> float:
+    return sum(layer.fwd_ms + layer.bwd_ms for layer in layers)

@@ -16,10 +16,12 @@ Order of work:
 4. Memory is decided in closed form from the chunks' capacities
    (:func:`megapipe.plan.bounds.split_can_fit`, exact for identical decoder layers) before
    any solve (``memory``); the solver can still find no split for other profiles.
-5. The survivor is partitioned; if the partition's step floor (every rank's work plus the
-   forward/backward chains it must wait for, and the exact DP sync and optimizer step)
-   already exceeds the k-th best, it is not simulated (``bound``). Only the rest are
-   simulated, so every ranked plan is exact. The schedule can reject sizes (``schedule``).
+5. A survivor is partitioned and goes back in line under its partition's step floor
+   (every rank's work plus the forward/backward chains it must wait for, with the exact DP
+   sync and optimizer step), a sharper bound. It is simulated only when it comes first
+   again; once the first in line is no better than the k-th best exact step, the rest are
+   skipped (``bound``). Every ranked plan is simulated, so the ranking is exact. The
+   schedule can reject sizes (``schedule``).
 
 With ``search.bubble_target`` every micro-batch size of a layout competes on its bubble,
 not on its bound, so step 3 is skipped.
@@ -27,12 +29,14 @@ not on its bound, so step 3 is skipped.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
 from megapipe.errors import ConfigError, InfeasibleError, ScheduleError
-from megapipe.plan.evaluate import Evaluator
+from megapipe.plan.evaluate import Evaluator, Prepared
 from megapipe.plan.hetero import placements
 from megapipe.plan.rank import rank_plans, score
 from megapipe.plan.records import Candidate, Plan, SearchOptions, SearchResult, SearchStats
@@ -115,63 +119,92 @@ def _min_time_scale(evaluator: Evaluator) -> float:
 
 
 def _branch_and_bound(evaluator: Evaluator, bounded, pruned: Counter, progress) -> tuple[list[Plan], Counter, float]:
+    """Best first over lower bounds that sharpen: a candidate's closed-form bound, then its partition's floor.
+
+    A popped candidate is partitioned and pushed back under max(bound, floor); popped again,
+    it is simulated. Once the smallest key is no better than the k-th best exact step, nothing
+    left can rank. With ``bubble_target`` everything is evaluated.
+    """
     options = evaluator.options
     keep_all = options.bubble_target is not None
+    heap = [(bound_ms, index, cand, None) for bound_ms, index, cand in bounded]  # sorted, so a heap
     plans: list[Plan] = []
     feasible_steps: list[float] = []
     work: Counter = Counter()
     memory_floor = float("inf")
-    for done, (bound_ms, _, cand) in enumerate(bounded):
-        if progress is not None:
-            progress(done, len(bounded))
+    done = 0
+    while heap:
+        key, index, cand, prepared = heap[0]
         cutoff = None if keep_all or len(feasible_steps) < options.top_k else feasible_steps[options.top_k - 1]
-        if cutoff is not None and bound_ms >= cutoff:
-            pruned["bound"] += len(bounded) - done
+        if cutoff is not None and key >= cutoff:
+            pruned["bound"] += len(heap)
             break
-        plan = _best_placement(evaluator, cand, pruned, work, cutoff)
+        heapq.heappop(heap)
+        if prepared is None:
+            if progress is not None:
+                progress(done, len(bounded))
+            done += 1
+            prepared = _prepare_placements(evaluator, cand, pruned, work)
+            if prepared and not keep_all:
+                floor = min(item.floor_ms for item in prepared) * (1 - _FLOOR_MARGIN)
+                heapq.heappush(heap, (max(key, floor), index, cand, prepared))
+                continue
+        plan = _finish_best(evaluator, prepared, pruned, work, cutoff) if prepared else None
         if plan is None:
             continue
         if not plan.feasible:
             memory_floor = min(memory_floor, plan.memory_over_gib)
         plans.append(plan)
         if plan.feasible:
-            feasible_steps.append(plan.step_time_s * 1e3)
-            feasible_steps.sort()
+            bisect.insort(feasible_steps, plan.step_time_s * 1e3)
     return plans, work, memory_floor
 
 
-def _best_placement(evaluator: Evaluator, cand: Candidate, pruned: Counter, work: Counter,
-                    cutoff_ms: float | None) -> Plan | None:
-    """The best placement's plan; None when every placement is out of memory or provably cannot rank.
+_FLOOR_MARGIN = 1e-9
+"""Partition floors are compared with this relative margin, so float rounding can never prune a plan that ranks."""
 
-    Memory is decided in closed form first (:meth:`Evaluator.split_can_fit`), then each
-    partition's step floor is checked against ``cutoff_ms`` before it is simulated.
+
+def _prepare_placements(evaluator: Evaluator, cand: Candidate, pruned: Counter, work: Counter) -> list[Prepared]:
+    """Every placement that fits, partitioned; empty (and counted) when none does.
+
+    Memory is decided in closed form first (:meth:`Evaluator.split_can_fit`), so the solver
+    runs only where a split exists.
     """
     choices = placements(evaluator.cluster, cand.parallel)
     if not choices:
         pruned["placement"] += 1
-        return None
-    results, cut = [], False
+        return []
+    out = []
     for gpus in choices:
         try:
             if not evaluator.split_can_fit(cand, gpus):
                 continue
             work["partitioned"] += 1
-            plan = evaluator.evaluate(cand, gpus=gpus, cutoff_ms=cutoff_ms)
+            out.append(evaluator.prepare(cand, gpus=gpus))
         except InfeasibleError:
             continue
         except ScheduleError:
             pruned["schedule"] += 1
-            return None
-        if plan is None:
-            cut = True
+            return []
+    if not out:
+        pruned["memory"] += 1
+    return out
+
+
+def _finish_best(evaluator: Evaluator, prepared: list[Prepared], pruned: Counter, work: Counter,
+                 cutoff_ms: float | None) -> Plan | None:
+    """Simulate the placements whose floor is below the cutoff; the best of them by throughput."""
+    results = []
+    for item in prepared:
+        if cutoff_ms is not None and item.floor_ms * (1 - _FLOOR_MARGIN) >= cutoff_ms:
             continue
+        try:
+            results.append(evaluator.finish(item))
+        except ScheduleError:
+            pruned["schedule"] += 1
+            return None
         work["simulated"] += 1
-        results.append(plan)
-    if not results:
-        pruned["bound" if cut else "memory"] += 1
-        return None
-    return min(results, key=lambda plan: score(plan, "throughput"))
+    return min(results, key=lambda plan: score(plan, "throughput")) if results else None
 
 
 def _try(evaluator: Evaluator, cand: Candidate, *, method: str, gpus=None) -> Plan | None:
