@@ -84,10 +84,14 @@ def chunk_memory_caps(
     mean_static = float(np.mean([layer.static_bytes for layer in layers]))
     mean_act = float(np.mean([layer.act_bytes for layer in layers]))
     weights = [mean_static + count * mean_act for count in in_flight]
+    mates: dict[int, list[float]] = {}
+    for weight, rank in zip(weights, ranks):
+        mates.setdefault(rank, []).append(weight)
+    rank_weight = {rank: sum(chunk_weights) for rank, chunk_weights in mates.items()}
     caps = []
     for weight, rank in zip(weights, ranks):
-        mates = [w for w, other in zip(weights, ranks) if other == rank]
-        share = weight / sum(mates) if sum(mates) > 0 else 1.0 / len(mates)
+        total = rank_weight[rank]
+        share = weight / total if total > 0 else 1.0 / len(mates[rank])
         caps.append(float(stages[rank].memory_bytes) * share)
     return tuple(caps)
 
