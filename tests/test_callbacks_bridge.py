@@ -62,7 +62,7 @@ def _bridge_run(rank, world_size, root):
                               model=SimpleNamespace(seq_length=SEQ), checkpoint=SimpleNamespace(save=root))
         state = SimpleNamespace(cfg=cfg, train_state=SimpleNamespace(step=0), tensorboard_logger=ScalarWriter(),
                                 wandb_logger=None)
-        callback = MegapipeBridgeCallback(topology_check=False)
+        callback = MegapipeBridgeCallback(topology_check=False, log_every=1)
         user_state: dict = {}
         callback.on_train_start(CallbackContext(state=state, model=models, user_state=user_state))
         seen = []

@@ -35,7 +35,7 @@ def _train(rank, world_size, root, with_callback):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
     setup = GPTSetup(layout="Et*2|t*2L", num_steps=STEPS, num_microbatches=MICROBATCHES, delays=DELAYS)
     strategy_cls, module_cls = classes(setup)
-    callback = MegapipeCallback(log_dir=f"{root}/monitor", topology_budget_s=0.5) if with_callback else None
+    callback = MegapipeCallback(log_dir=f"{root}/monitor", topology_budget_s=0.5, log_every=1) if with_callback else None
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy_cls(process_group_backend="gloo"),
         max_steps=STEPS, logger=CSVLogger(root, name="csv", version=0), log_every_n_steps=1,

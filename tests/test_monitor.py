@@ -135,7 +135,7 @@ def test_single_rank_monitor_without_model(tmp_path):
     from megapipe.monitor.monitor import attach_monitor
 
     seen = []
-    mon = attach_monitor(log_dir=str(tmp_path), tokens_per_step=1000, warmup_steps=0,
+    mon = attach_monitor(log_dir=str(tmp_path), tokens_per_step=1000, warmup_steps=0, log_every=1,
                          sinks=[lambda metrics, step: seen.append((step, metrics))])
     mon.train_start()
     for step in range(3):

@@ -43,7 +43,7 @@ def _run(*, monitor_kwargs: dict | None, inject=None, steps: int = STEPS):
     models = mc.build_gpt_chunks(layout="Et*2|t*2L", num_layers=4, delays_ms=DELAYS)
     mon = None
     if monitor_kwargs is not None:
-        mon = attach_monitor(models, tokens_per_step=TOKENS, **monitor_kwargs)
+        mon = attach_monitor(models, tokens_per_step=TOKENS, log_every=1, **monitor_kwargs)
         if inject is not None:
             inject(mon)
         mon.train_start()

@@ -342,7 +342,7 @@ def _flatten(fields: dict) -> dict:
     return flat
 
 
-def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every: int = 1,
+def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every: int = 10,
                    plan: str | dict | None = None, drift_threshold: float = 0.1, warmup_steps: int = 1,
                    topology_check: bool = True, topology_threshold: float = 0.2, topology_budget_s: float = 2.0,
                    expected_link: dict | None = None, tokens_per_step: float | None = None,
