@@ -44,6 +44,9 @@ class _Totals:
     static_bytes: float
     act_bytes: float
     param_count: float
+    num_decoders: int
+    decoder_min_ms: float
+    """The cheapest decoder entry's fwd_ms + bwd_ms."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,8 +153,10 @@ class Evaluator:
         found = self._totals.get(key)
         if found is None:
             layers = self.bound_layers(cand)
+            decoder_ms = [layer.fwd_ms + layer.bwd_ms for layer in layers if layer.kind == LayerKind.decoder]
             found = _Totals(*(sum(getattr(layer, name) for layer in layers) for name in
-                              ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes", "param_count")))
+                              ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes", "param_count")),
+                            num_decoders=len(decoder_ms), decoder_min_ms=min(decoder_ms, default=0.0))
             self._totals[key] = found
         return found
 
@@ -172,7 +177,8 @@ class Evaluator:
         schedules. Minimising the max over ranks subject to sum t_r = T gives equal g_r,
         t_{r+1} = q t_r with q = 1 - phi/m, hence step >= m T / sum_{r<p} q^r (the weights
         lambda_s ~ q^(p-1-s) certify it as a bound). For balanced stages and phi = 1 this is
-        close to the (m + p - 1) T / p of Narayanan et al. 2021.
+        close to the (m + p - 1) T / p of Narayanan et al. 2021. Layers are whole, so some rank
+        also runs ceil(N / p) decoders m times: step >= m ceil(N / p) min_decoder(F + B).
         DP sync: the exposed time max(0, comm_r - backward_r) is convex in the rank's
         (parameters, backward), so its maximum over ranks is at least its value at the mean
         rank (Jensen); the optimizer step is linear in parameters, likewise.
@@ -186,6 +192,9 @@ class Evaluator:
                "zb_h2": self._forward_share(cand)}.get(cand.schedule, 0.0)
         ratio = 1.0 - phi / m
         pipeline = m * total_ms / sum(ratio ** r for r in range(pp))
+        # Some rank holds ceil(N / p) decoders and runs their F + B for every microbatch in sequence.
+        fullest = m * -(-totals.num_decoders // pp) * totals.decoder_min_ms * min_time_scale
+        pipeline = max(pipeline, fullest)
         if self.cluster.is_heterogeneous:  # per-type windows and bandwidths: keep the pipeline term only
             return Bound(step_ms=pipeline, memory_bytes=self.memory_bound(cand))
         params = totals.param_count / pp
