@@ -51,6 +51,24 @@ def test_plan_table_output(tmp_path, capsys):
     assert "equal split" in text and "layout:" in text
 
 
+def test_plan_table_is_readable_when_piped(monkeypatch, capsys):
+    """Without a terminal or COLUMNS, rich would fold the columns into 80; the table keeps whole headers."""
+    from megapipe.commands.plan import print_plans, search_inputs, search_options
+    from megapipe.config import compose
+    from megapipe.plan.search import search
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    cfg = compose(TINY)
+    setup, fixed = search_inputs(cfg)
+    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
+                    options=search_options(cfg))
+    print_plans(result, directory="plan-dir")
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "tok/s/GPU" in line)
+    assert all(name in header for name in ("TP/PP/DP/CP/VP", "schedule", "recompute", "peak GiB", "$/1M tok"))
+    assert any("equal split" in line and "%" in line for line in lines)
+
+
 def test_plan_bad_input_is_one_line_exit_2(tmp_path, capsys):
     code = main(["plan", *TINY, "parallel.tensor_model_parallel_size=3", f"output.dir={tmp_path}"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -186,6 +186,10 @@ def _row(label: str, plan) -> list[str]:
             f"${plan.cost_per_million_tokens:.3f}", f"${plan.total_cost / 1e6:,.2f}M", str(len(plan.warnings))]
 
 
+_PIPED_WIDTH = 160
+"""Columns of the plan table when stdout is not a terminal (the table needs about 150)."""
+
+
 def print_plans(result: SearchResult, *, directory: str) -> None:
     """Rich table: top k, the best plan's equal split, and the reference configuration."""
     from rich.console import Console
@@ -202,6 +206,8 @@ def print_plans(result: SearchResult, *, directory: str) -> None:
     if result.reference is not None:
         table.add_row(*_row("TP4 PP8 ref", result.reference))
     console = Console()
+    if not console.is_terminal:  # piped: rich would fold the 14 columns into 80
+        console = Console(width=max(console.width, _PIPED_WIDTH))
     console.print(table)
     best = result.best
     console.print(f"layout: {best.layout}")
