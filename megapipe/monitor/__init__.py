@@ -7,5 +7,6 @@ compares the pipeline's bubble with megapipe's simulator.
 
 from megapipe.monitor.hook import HookReport, ScheduleHook, attach
 from megapipe.monitor.metrics import PipelineMetrics, StepMetrics
+from megapipe.monitor.monitor import TrainingMonitor, attach_monitor
 
-__all__ = ["attach", "HookReport", "ScheduleHook", "PipelineMetrics", "StepMetrics"]
+__all__ = ["attach", "attach_monitor", "TrainingMonitor", "HookReport", "ScheduleHook", "PipelineMetrics", "StepMetrics"]
