@@ -5,6 +5,8 @@ Plus a closed-form lower bound on the step time and on the fullest rank's memory
 the search to skip candidates that cannot rank (branch and bound). Caches are keyed by
 what each step depends on: layer costs by (TP, SP, CP, micro-batch, recompute, sequence,
 DP), schedules by (name, PP, VP, microbatches), pipeline p2p links by the rank stride.
+:meth:`Evaluator.prepare` partitions and prices everything but the pipeline, with a floor
+on the step time; :meth:`Evaluator.finish` simulates; the search runs them apart.
 
 MFU convention (Chowdhery et al. 2022, PaLM App. B; Narayanan et al. 2021 eq. 3): model
 FLOPs per token from :func:`megapipe.cost.model_flops_per_token` (6 x parameters plus the
@@ -15,23 +17,19 @@ the sum of the GPUs' dense bf16 peaks.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from megapipe import cost, partition, schedules
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, stage_ranks
 from megapipe.plan.bounds import least_in_flight, layer_shape, pipeline_floor_ms, split_can_fit, water_level
-from megapipe.plan.money import cost_per_million_tokens, training_cost
+from megapipe.plan.metrics import GIB, plan_record
 from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
-from megapipe.plan.warnings import plan_warnings
 from megapipe.profile.format import Profile
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, LinkSpec, ModelSpec, Partition, StageSpec
 from megapipe.simulate import P2PCost, StageTimes, simulate
 
 __all__ = ["Bound", "Evaluator", "Prepared", "pipeline_link", "GIB"]
-
-GIB = 2**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,40 +380,9 @@ class Evaluator:
                        total_bytes=static[r] + act[r], gpu_name=gpus[r].name if self.cluster.is_heterogeneous else "")
             for r in range(cand.parallel.pipeline_model_parallel_size)
         )
-        return _metrics(self, cand, part, sim, usages, specs, sums.sync_ms, sums.optimizer_ms)
-
-
-def _metrics(ev: Evaluator, cand: Candidate, part: Partition, sim, usages, specs, sync_ms, optimizer_ms) -> Plan:
-    par, train, cluster = cand.parallel, cand.train, ev.cluster
-    step_s = (sim.step_time_ms + sync_ms + optimizer_ms) / 1e3
-    tokens_per_s = train.global_batch_size * train.seq_length / step_s
-    num_gpus = cluster.num_gpus
-    peak_flops = sum(g.gpu.bf16_tflops * 1e12 * g.num_nodes * cluster.gpus_per_node for g in cluster.node_groups)
-    totals = [u.total_bytes for u in usages]
-    mean = sum(totals) / len(totals)
-    over = max(u.total_bytes - spec.memory_bytes for u, spec in zip(usages, specs))
-    over_gib = max(0.0, over / GIB)
-    decoder_counts = tuple(sum(1 for kind in kinds if kind == LayerKind.decoder) for kinds in part.stage_kinds)
-    return Plan(
-        parallel=par, train=train, schedule=cand.schedule, num_microbatches=cand.num_microbatches,
-        layers_per_stage=decoder_counts, layout=part.layout, method=part.method, pipeline_ms=sim.step_time_ms,
-        dp_sync_ms=sync_ms, optimizer_ms=optimizer_ms, step_time_s=step_s, tokens_per_s=tokens_per_s,
-        tokens_per_s_per_gpu=tokens_per_s / num_gpus,
-        mfu=tokens_per_s * ev.model_flops_per_token(train.seq_length) / peak_flops,
-        bubble_fraction=sim.bubble_fraction, stages=usages,
-        memory_spread=(max(totals) - min(totals)) / mean if mean else 0.0,
-        memory_cv=math.sqrt(sum((t - mean) ** 2 for t in totals) / len(totals)) / mean if mean else 0.0,
-        cost_per_million_tokens=cost_per_million_tokens(tokens_per_s=tokens_per_s, num_gpus=num_gpus,
-                                                        price_per_gpu_hour=cluster.price_per_gpu_hour),
-        total_cost=training_cost(total_tokens=ev.options.total_tokens, tokens_per_s=tokens_per_s, num_gpus=num_gpus,
-                                 price_per_gpu_hour=cluster.price_per_gpu_hour),
-        feasible=over_gib == 0.0, memory_over_gib=over_gib,
-        warnings=plan_warnings(parallel=par, train=train, cluster=cluster, bubble_fraction=sim.bubble_fraction,
-                               num_microbatches=cand.num_microbatches,
-                               bubble_warning_range=ev.options.bubble_warning_range, memory_over_gib=over_gib),
-        stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
-        partition=part, simulation=sim,
-    )
+        return plan_record(cand=cand, part=part, sim=sim, usages=usages, specs=specs, sync_ms=sums.sync_ms,
+                           optimizer_ms=sums.optimizer_ms, cluster=self.cluster, options=self.options,
+                           flops_per_token=self.model_flops_per_token(cand.train.seq_length))
 
 
 _V_SHAPED = ("zb_v", "dualpipe_v")
