@@ -59,3 +59,63 @@ def test_split_with_options_equals_brute_force(data, n, num_stages, num_options)
         layers = options[choice][found.bounds[j]:found.bounds[j + 1]]
         assert layers and sum(e.static_bytes for e in layers) + in_flight[j] * sum(e.act_bytes for e in layers) \
             <= stages[j].memory_bytes
+
+
+def test_per_stage_recompute_beats_every_uniform_setting():
+    """Memory is tight on the first 1F1B stage (P microbatches in flight): recomputing only there
+    lets the split balance, which no single recompute setting for all stages matches."""
+    from megapipe.plan.records import SearchOptions
+    from megapipe.plan.search import search
+    from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec
+
+    link = LinkSpec(kind="nvlink", bandwidth_gbytes_per_s=450.0, latency_us=3.0)
+    gpu = GpuSpec(name="g", bf16_tflops=989.0, hbm_gbytes_per_s=3350.0, memory_gib=14.0)
+    cluster = ClusterSpec(name="c", gpus_per_node=8, price_per_gpu_hour=2.0, intra_node=link, inter_node=link,
+                          node_groups=(NodeGroup(gpu=gpu, num_nodes=1),))
+    model = ModelSpec(name="m", num_layers=16, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=14336, vocab_size=128256, seq_length=4096)
+    train = TrainSpec(global_batch_size=64, seq_length=4096)
+    fixed = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4, "micro_batch_size": 1,
+             "schedule": "1f1b", "sequence_parallel": True}
+    uniform = search(model=model, cluster=cluster, train=train, fixed=fixed, options=SearchOptions())
+    mixed = search(model=model, cluster=cluster, train=train, fixed=fixed,
+                   options=SearchOptions(per_stage_recompute=True))
+    best = mixed.best
+    assert len(set(best.stage_recompute)) > 1 and best.feasible
+    assert best.tokens_per_s > max(plan.tokens_per_s for plan in uniform.plans) * 1.05
+    assert best.train.recompute_granularity.value == "full" and any("per-stage recompute" in w for w in best.warnings)
+    assert all(stage.total_bytes <= gpu.usable_memory_bytes for stage in best.stages)
+    assert best.to_dict()["stage_recompute"] == list(best.stage_recompute)
+
+
+def test_per_stage_bounds_hold():
+    """The bounds and the memory check the search prunes per-stage candidates with, against exact evaluation."""
+    from megapipe.errors import InfeasibleError
+    from megapipe.plan.evaluate import Evaluator
+    from megapipe.plan.records import SearchOptions
+    from megapipe.plan.space import enumerate_candidates
+    from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec
+
+    link = LinkSpec(kind="nvlink", bandwidth_gbytes_per_s=450.0, latency_us=3.0)
+    gpu = GpuSpec(name="g", bf16_tflops=989.0, hbm_gbytes_per_s=3350.0, memory_gib=16.0)
+    cluster = ClusterSpec(name="c", gpus_per_node=8, price_per_gpu_hour=2.0, intra_node=link, inter_node=link,
+                          node_groups=(NodeGroup(gpu=gpu, num_nodes=1),))
+    model = ModelSpec(name="m", num_layers=16, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=14336, vocab_size=128256, seq_length=4096)
+    options = SearchOptions(per_stage_recompute=True, micro_batch_sizes=(1, 2))
+    ev = Evaluator(model=model, cluster=cluster, options=options)
+    space = enumerate_candidates(model=model, cluster=cluster, train=TrainSpec(global_batch_size=32, seq_length=4096),
+                                 options=options)
+    checked = infeasible = 0
+    for cand in (c for c in space.candidates if c.per_stage_recompute and c.schedule in ("1f1b", "zb_h1")):
+        bound = ev.bound(cand)
+        try:
+            plan = ev.evaluate(cand)
+        except InfeasibleError:
+            infeasible += 1
+            continue
+        assert ev.split_can_fit(cand)
+        assert bound.step_ms <= plan.step_time_s * 1e3 * (1 + 1e-9)
+        assert bound.memory_bytes <= max(stage.total_bytes for stage in plan.stages) * (1 + 1e-9)
+        checked += 1
+    assert checked > 10 and infeasible > 0

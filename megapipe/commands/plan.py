@@ -48,6 +48,7 @@ def search_options(cfg: DictConfig) -> SearchOptions:
         bubble_warning_range=(float(warn[0]), float(warn[1])),
         ignore_memory_limit=bool(node.get("ignore_memory_limit")),
         max_pipeline_model_parallel_size=node.get("max_pipeline_model_parallel_size"),
+        per_stage_recompute=bool(node.get("per_stage_recompute")),
         total_tokens=float(cfg.train.get("total_tokens") or 2e12),
     )
 
@@ -180,7 +181,8 @@ def _row(label: str, plan) -> list[str]:
     shape = (f"{par.tensor_model_parallel_size}/{par.pipeline_model_parallel_size}/{par.data_parallel_size}/"
              f"{par.context_parallel_size}/{par.virtual_pipeline_model_parallel_size}")
     peak = max(stage.total_bytes for stage in plan.stages) / 2**30
-    return [label, shape, plan.schedule, str(train.micro_batch_size), train.recompute_granularity.value,
+    recompute = "/".join(plan.stage_recompute) if plan.stage_recompute else train.recompute_granularity.value
+    return [label, shape, plan.schedule, str(train.micro_batch_size), recompute,
             "y" if par.sequence_parallel else "n", f"{plan.tokens_per_s_per_gpu:,.0f}", f"{plan.mfu:.1%}",
             f"{plan.bubble_fraction:.1%}", f"{peak:.1f}", f"{plan.memory_cv:.2f}",
             f"${plan.cost_per_million_tokens:.3f}", f"${plan.total_cost / 1e6:,.2f}M", str(len(plan.warnings))]

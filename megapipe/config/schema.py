@@ -157,6 +157,8 @@ class SearchConfig:
     ignore_memory_limit: bool = False
     top_k: int = 5
     max_pipeline_model_parallel_size: Optional[int] = None
+    per_stage_recompute: bool = False
+    """Also search per-stage recompute (AdaPipe): each pipeline rank picks none/selective/full with the split."""
     drift_threshold: float = 0.1
     """Relative difference between measured and predicted figures that triggers a warning."""
     min_gain: float = 0.02

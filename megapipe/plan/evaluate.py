@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from megapipe import cost, partition, schedules
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, stage_ranks
+from megapipe.plan.adaptive import per_stage_bound, per_stage_can_fit, per_stage_partition
 from megapipe.plan.bounds import least_in_flight, layer_shape, pipeline_floor_ms, split_can_fit, water_level
 from megapipe.plan.metrics import GIB, plan_record
 from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
@@ -70,6 +71,8 @@ class Prepared:
     sums: _RankSums
     floor_ms: float
     """:func:`pipeline_floor_ms` of the partition plus its exact DP sync and optimizer step."""
+    stage_recompute: tuple[str, ...] = ()
+    """Recompute setting per pipeline rank, for per-stage recompute candidates."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,12 +185,18 @@ class Evaluator:
         rank (Jensen); the optimizer step is linear in parameters, likewise.
         tests/test_plan_search.py checks bound <= exact over a whole search space.
         """
+        if cand.per_stage_recompute:
+            return per_stage_bound(self, cand, min_time_scale=min_time_scale)
+        return self.bound_terms(cand, min_time_scale=min_time_scale, forward_share=self._forward_share(cand))
+
+    def bound_terms(self, cand: Candidate, *, min_time_scale: float, forward_share: float,
+                    include_sync: bool = True) -> Bound:
+        """:meth:`bound` with the zero-bubble forward share given; without the DP sync term if asked."""
         totals = self.totals(cand)
         par = cand.parallel
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
         total_ms = (totals.fwd_ms + totals.bwd_ms) * min_time_scale
-        phi = {"gpipe": 1.0, "1f1b": 1.0, "zb_h1": self._forward_share(cand),
-               "zb_h2": self._forward_share(cand)}.get(cand.schedule, 0.0)
+        phi = {"gpipe": 1.0, "1f1b": 1.0, "zb_h1": forward_share, "zb_h2": forward_share}.get(cand.schedule, 0.0)
         ratio = 1.0 - phi / m
         pipeline = m * total_ms / sum(ratio ** r for r in range(pp))
         # Some rank holds ceil(N / p) decoders and runs their F + B for every microbatch in sequence.
@@ -199,8 +208,12 @@ class Evaluator:
         optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par,
                                       precision=cand.train.precision)
         sync = dp_sync_ms(params_per_gpu=params, precision=cand.train.precision, cluster=self.cluster, parallel=par,
-                          backward_ms=totals.bwd_ms / pp, forward_ms=totals.fwd_ms / pp)
+                          backward_ms=totals.bwd_ms / pp, forward_ms=totals.fwd_ms / pp) if include_sync else 0.0
         return Bound(step_ms=pipeline + optimizer + sync, memory_bytes=self.memory_bound(cand))
+
+    def forward_share(self, cand: Candidate) -> float:
+        """The smallest F / (F + B) over the profile's entries."""
+        return self._forward_share(cand)
 
     def _forward_share(self, cand: Candidate) -> float:
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
@@ -281,6 +294,8 @@ class Evaluator:
         Exact for the cost model's profiles (identical decoders between the embedding and the
         loss); for any other profile it answers True and leaves the verdict to the solver.
         """
+        if cand.per_stage_recompute:
+            return per_stage_can_fit(self, cand, gpus)
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
         if key not in self._shapes:
             self._shapes[key] = layer_shape(self.bound_layers(cand))
@@ -307,28 +322,32 @@ class Evaluator:
         gpus = gpus or (self.cluster.gpu,) * pp
         if check_memory is None:
             check_memory = not self.options.ignore_memory_limit
-        part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory)
         specs = self.stage_specs(cand, gpus)
-        times = self._stage_times(cand, part, specs)
-        sums = self._rank_sums(cand, part, times, gpus)
+        if cand.per_stage_recompute:
+            part, layers, choices = per_stage_partition(self, cand, specs, check_memory=check_memory)
+        else:
+            part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory)
+            layers, choices = self.profile(cand).layers, ()
+        times = self._stage_times(layers, part, specs)
+        sums = self._rank_sums(cand, layers, part, times, gpus)
         floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=part.stage_to_rank, fwd_ms=times.fwd_ms,
                                   bwd_ms=times.bwd_ms, num_microbatches=cand.num_microbatches)
         return Prepared(cand=cand, gpus=gpus, partition=part, specs=specs, times=times, sums=sums,
-                        floor_ms=floor + sums.sync_ms + sums.optimizer_ms)
+                        floor_ms=floor + sums.sync_ms + sums.optimizer_ms, stage_recompute=choices)
 
     def finish(self, prepared: Prepared) -> Plan:
         """Simulate a prepared candidate's schedule and price the plan; raises ScheduleError."""
         cand = prepared.cand
         sim = simulate(self.schedule(cand), prepared.times, p2p=self._p2p(cand))
-        return self._plan(cand, prepared.partition, sim, prepared.specs, prepared.gpus, prepared.sums)
+        return self._plan(prepared, sim)
 
     def evaluate(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
                  check_memory: bool | None = None) -> Plan:
         """Partition, simulate and price one candidate; raises InfeasibleError / ScheduleError."""
         return self.finish(self.prepare(cand, method=method, gpus=gpus, check_memory=check_memory))
 
-    def _stage_times(self, cand: Candidate, part: Partition, specs) -> StageTimes:
-        layers = self.profile(cand).layers
+    @staticmethod
+    def _stage_times(layers, part: Partition, specs) -> StageTimes:
         fwd, bwd, wgrad, act = [], [], [], []
         start = 0
         for stage, count in enumerate(part.layers_per_stage):
@@ -348,10 +367,9 @@ class Evaluator:
                              pipeline_model_parallel_size=par.pipeline_model_parallel_size)
         return P2PCost.from_link(link, p2p_bytes=cost.p2p_bytes(model=self.model, parallel=par, train=cand.train))
 
-    def _rank_sums(self, cand: Candidate, part: Partition, times: StageTimes, gpus) -> _RankSums:
+    def _rank_sums(self, cand: Candidate, layers, part: Partition, times: StageTimes, gpus) -> _RankSums:
         par, train = cand.parallel, cand.train
         pp = par.pipeline_model_parallel_size
-        layers = self.profile(cand).layers
         static = [0.0] * pp
         params = [0.0] * pp
         fwd = [0.0] * pp
@@ -372,7 +390,8 @@ class Evaluator:
         return _RankSums(static_bytes=tuple(static), fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), sync_ms=sync,
                          optimizer_ms=optimizer)
 
-    def _plan(self, cand: Candidate, part: Partition, sim, specs, gpus, sums: _RankSums) -> Plan:
+    def _plan(self, prepared: Prepared, sim) -> Plan:
+        cand, part, specs, gpus, sums = prepared.cand, prepared.partition, prepared.specs, prepared.gpus, prepared.sums
         static, fwd, bwd = sums.static_bytes, sums.fwd_ms, sums.bwd_ms
         act = [stats.peak_activation_bytes for stats in sim.ranks]
         usages = tuple(
@@ -382,7 +401,8 @@ class Evaluator:
         )
         return plan_record(cand=cand, part=part, sim=sim, usages=usages, specs=specs, sync_ms=sums.sync_ms,
                            optimizer_ms=sums.optimizer_ms, cluster=self.cluster, options=self.options,
-                           flops_per_token=self.model_flops_per_token(cand.train.seq_length))
+                           flops_per_token=self.model_flops_per_token(cand.train.seq_length),
+                           stage_recompute=prepared.stage_recompute)
 
 
 _V_SHAPED = ("zb_v", "dualpipe_v")

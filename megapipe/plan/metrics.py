@@ -8,22 +8,24 @@ the population standard deviation over the mean.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from megapipe.plan.money import cost_per_million_tokens, training_cost
 from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.warnings import plan_warnings
-from megapipe.records import ClusterSpec, LayerKind, Partition, StageSpec
+from megapipe.records import ClusterSpec, LayerKind, Partition, Recompute, StageSpec
 from megapipe.simulate import SimResult
 
 __all__ = ["plan_record", "GIB"]
 
 GIB = 2**30
+_RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
 def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tuple[StageUsage, ...],
                 specs: tuple[StageSpec, ...], sync_ms: float, optimizer_ms: float, cluster: ClusterSpec,
-                options: SearchOptions, flops_per_token: float) -> Plan:
+                options: SearchOptions, flops_per_token: float, stage_recompute: tuple[str, ...] = ()) -> Plan:
     """The Plan of one simulated partition: step time, throughput, MFU, memory spread, money, warnings."""
     par, train = cand.parallel, cand.train
     step_s = (sim.step_time_ms + sync_ms + optimizer_ms) / 1e3
@@ -35,6 +37,14 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
     over = max(u.total_bytes - spec.memory_bytes for u, spec in zip(usages, specs))
     over_gib = max(0.0, over / GIB)
     decoder_counts = tuple(sum(1 for kind in kinds if kind == LayerKind.decoder) for kinds in part.stage_kinds)
+    warnings = plan_warnings(parallel=par, train=train, cluster=cluster, bubble_fraction=sim.bubble_fraction,
+                             num_microbatches=cand.num_microbatches,
+                             bubble_warning_range=options.bubble_warning_range, memory_over_gib=over_gib)
+    if stage_recompute:
+        strongest = max(stage_recompute, key=_RECOMPUTE_ORDER.index)
+        train = dataclasses.replace(train, recompute_granularity=Recompute(strongest))
+        warnings += (f"per-stage recompute {'/'.join(stage_recompute)}: Megatron applies one setting to every "
+                     f"stage, so the emitted flags use recompute_granularity={strongest} (fits, runs slower)",)
     return Plan(
         parallel=par, train=train, schedule=cand.schedule, num_microbatches=cand.num_microbatches,
         layers_per_stage=decoder_counts, layout=part.layout, method=part.method, pipeline_ms=sim.step_time_ms,
@@ -49,9 +59,6 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
         total_cost=training_cost(total_tokens=options.total_tokens, tokens_per_s=tokens_per_s, num_gpus=num_gpus,
                                  price_per_gpu_hour=cluster.price_per_gpu_hour),
         feasible=over_gib == 0.0, memory_over_gib=over_gib,
-        warnings=plan_warnings(parallel=par, train=train, cluster=cluster, bubble_fraction=sim.bubble_fraction,
-                               num_microbatches=cand.num_microbatches,
-                               bubble_warning_range=options.bubble_warning_range, memory_over_gib=over_gib),
-        stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
-        partition=part, simulation=sim,
+        warnings=warnings, stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
+        stage_recompute=stage_recompute, partition=part, simulation=sim,
     )

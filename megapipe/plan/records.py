@@ -29,6 +29,8 @@ class SearchOptions:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes tried when train.micro_batch_size is null."""
     max_virtual_pipeline_model_parallel_size: int = 4
+    per_stage_recompute: bool = False
+    """Also try, per layout with one chunk per rank, a recompute setting per pipeline rank (AdaPipe)."""
     context_parallel_min_seq_length: int = 16384
     """Context parallelism is searched only from this sequence length up (ring attention pays off)."""
     total_tokens: float = 2.0e12
@@ -42,6 +44,8 @@ class Candidate:
     parallel: ParallelSpec
     train: TrainSpec
     schedule: str
+    per_stage_recompute: bool = False
+    """Each pipeline rank picks its own recompute setting with the split; train's setting is then unused."""
 
     @property
     def num_microbatches(self) -> int:
@@ -122,6 +126,8 @@ class Plan:
     warnings: tuple[str, ...] = ()
     stage_gpus: tuple[str, ...] = ()
     """GPU type per pipeline rank (mixed clusters)."""
+    stage_recompute: tuple[str, ...] = ()
+    """Recompute setting per pipeline rank when it was searched per stage; train then holds the strongest one."""
     partition: Partition | None = field(default=None, compare=False, repr=False)
     """The solver's record, for the emitters."""
     simulation: object = field(default=None, compare=False, repr=False)
@@ -138,7 +144,7 @@ class Plan:
             par.virtual_pipeline_model_parallel_size,
             par.sequence_parallel,
             train.micro_batch_size,
-            train.recompute_granularity.value,
+            "per_stage:" + "/".join(self.stage_recompute) if self.stage_recompute else train.recompute_granularity.value,
             self.schedule,
         )
 
@@ -185,6 +191,8 @@ class Plan:
         }
         if self.stage_gpus:
             out["stage_gpus"] = list(self.stage_gpus)
+        if self.stage_recompute:
+            out["stage_recompute"] = list(self.stage_recompute)
         return out
 
 

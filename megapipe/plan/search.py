@@ -174,20 +174,24 @@ def _prepare_placements(evaluator: Evaluator, cand: Candidate, pruned: Counter, 
     if not choices:
         pruned["placement"] += 1
         return []
-    out = []
+    out, uniform = [], False
     for gpus in choices:
         try:
             if not evaluator.split_can_fit(cand, gpus):
                 continue
             work["partitioned"] += 1
-            out.append(evaluator.prepare(cand, gpus=gpus))
+            item = evaluator.prepare(cand, gpus=gpus)
         except InfeasibleError:
             continue
         except ScheduleError:
             pruned["schedule"] += 1
             return []
+        if len(set(item.stage_recompute)) == 1:  # one setting everywhere: that is the uniform candidate
+            uniform = True
+            continue
+        out.append(item)
     if not out:
-        pruned["memory"] += 1
+        pruned["per_stage_uniform" if uniform else "memory"] += 1
     return out
 
 

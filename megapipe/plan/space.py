@@ -1,5 +1,7 @@
 """The search space: every TP x CP x PP x DP x VP x micro-batch x recompute x SP x schedule
-that uses all GPUs, with closed-form pruning before any layer is costed.
+that uses all GPUs, with closed-form pruning before any layer is costed. With
+``search.per_stage_recompute`` each layout with one chunk per rank also gets a candidate whose
+ranks pick their recompute settings with the split (:mod:`megapipe.plan.adaptive`).
 
 Pruning rules, each counted under its reason:
 
@@ -169,7 +171,9 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, use_distributed_opti
                 if train.global_batch_size % (int(mbs) * dp):
                     yield "microbatches"
                     continue
-                for recompute in recomputes:
+                per_stage = (options.per_stage_recompute and vp == 1 and pp > 1
+                             and "recompute_granularity" not in fixed)
+                for recompute in (*recomputes, "per_stage") if per_stage else recomputes:
                     for sp in sps:
                         parallel = ParallelSpec(
                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -179,10 +183,12 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, use_distributed_opti
                         )
                         spec = TrainSpec(
                             micro_batch_size=int(mbs), global_batch_size=train.global_batch_size,
-                            seq_length=train.seq_length, recompute_granularity=Recompute(recompute),
+                            seq_length=train.seq_length,
+                            recompute_granularity=Recompute.none if recompute == "per_stage" else Recompute(recompute),
                             precision=train.precision,
                         )
-                        yield Candidate(parallel=parallel, train=spec, schedule=schedule)
+                        yield Candidate(parallel=parallel, train=spec, schedule=schedule,
+                                        per_stage_recompute=recompute == "per_stage")
 
 
 def _shape_reason(cand: Candidate, model: ModelSpec, cluster: ClusterSpec, options: SearchOptions) -> str:
