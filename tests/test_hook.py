@@ -21,7 +21,7 @@ from megapipe.monitor.metrics import (
     schedule_chunks,
     unpack_row,
 )
-from megapipe.monitor.predict import closed_form_bubble_fraction, simulated_bubble_fraction
+from megapipe.monitor.predict import closed_form_bubble_fraction, predict_bubble, simulated_bubble_fraction
 
 
 @settings(max_examples=60, deadline=None)
@@ -55,6 +55,10 @@ def test_derived_step_partitions_the_wall(intervals, tail):
     last_end = compute[-1][1] if compute else 10.0
     assert sum(step.gaps_ms) + step.compute_ms + (now + tail - last_end) == pytest.approx(step.wall_ms)
     assert step.num_forward == kinds.count(EventKind.forward)
+    if step.gaps_ms:
+        at_most = sum(g <= step.dispatch_ms for g in step.gaps_ms)
+        at_least = sum(g >= step.dispatch_ms for g in step.gaps_ms)
+        assert min(at_most, at_least) >= len(step.gaps_ms) / 2  # the median stretch
     assert step.num_backward == kinds.count(EventKind.backward)
     assert step.warmup_idle_ms <= step.bubble_ms + tol and step.cooldown_idle_ms <= step.bubble_ms + tol
     assert unpack_row(pack_row(step, 1), 1) == StepMetrics(**{**_fields(step), "gaps_ms": ()})
@@ -65,14 +69,28 @@ def _fields(step):
     return {name: getattr(step, name) for name in StepMetrics.__slots__}
 
 
-def _one_f_one_b_rank(*, rank, pp, m, fwd, bwd):
+def _one_f_one_b_rank(*, rank, pp, m, fwd, bwd, dispatch=0.0):
     """A rank's metrics in the ideal 1F1B step with equal stages: idle (p-1)(F+B)."""
     wall = (m + pp - 1) * (fwd + bwd)
     return StepMetrics(
         wall_ms=wall, forward_ms=m * fwd, backward_ms=m * bwd, send_ms=0, recv_ms=0, exchange_ms=0,
         warmup_idle_ms=0, cooldown_idle_ms=0, max_gap_ms=0, num_forward=m, num_backward=m,
-        chunk_forward_ms=(fwd,), chunk_backward_ms=(bwd,),
+        chunk_forward_ms=(fwd,), chunk_backward_ms=(bwd,), dispatch_ms=dispatch,
     )
+
+
+@pytest.mark.parametrize("pp, m, dispatch", [(2, 4, 0.5), (4, 8, 0.25), (3, 3, 1.0)])
+def test_dispatch_overhead_closed_form(pp, m, dispatch):
+    # equal stages, every op F + d and B + d: step (m + P - 1)(F + B + 2d); the bubble
+    # counts only the measured compute m(F + B) per rank as busy
+    fwd, bwd = 1.0, 2.0
+    ranks = [_one_f_one_b_rank(rank=r, pp=pp, m=m, fwd=fwd, bwd=bwd, dispatch=dispatch + r) for r in range(pp)]
+    prediction = predict_bubble(combine_rows(ranks, num_model_chunks=1), p2p_latency_ms=0.0)
+    step = (m + pp - 1) * (fwd + bwd + 2 * dispatch)  # the smallest rank median is charged
+    assert prediction.dispatch_ms == dispatch and prediction.step_time_ms == pytest.approx(step)
+    assert prediction.bubble_fraction == pytest.approx(1 - m * (fwd + bwd) / step)
+    plain = predict_bubble(combine_rows(ranks, num_model_chunks=1), charge_dispatch=False)
+    assert plain.bubble_fraction == pytest.approx(closed_form_bubble_fraction(pipeline_model_parallel_size=pp, num_microbatches=m))
 
 
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (3, 3)])

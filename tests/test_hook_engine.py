@@ -156,16 +156,22 @@ def test_wrapped_megatron_timers_keep_working(ranks):
         assert rank["wrapped"]["restored"] is False  # still wrapped while training
 
 
-# Interleaved: measured runs 11-14% above the simulator on 2 loaded cores (16 gloo
-# messages per rank and step whose waits fall outside megatron's timers with
-# overlap_p2p_comm); see docs/validation.md.
-@pytest.mark.parametrize("name, rel", [("1f1b", 0.10), ("interleaved", 0.20)])
-def test_measured_bubble_matches_simulator(ranks, name, rel):
+# The simulator charges every op the measured dispatch overhead (the smallest rank
+# median of the stretches between compute calls) and each message the gloo ping-pong latency;
+# without the overhead interleaved came out 11-18% below the measured bubble
+# (docs/validation.md, "Schedule hook on megatron-core").
+@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+def test_measured_bubble_matches_simulator(ranks, name):
     reports = _steady(ranks[0][name]["reports"])
     measured = statistics.mean(r.measured_bubble_fraction for r in reports)
     simulated = statistics.mean(r.simulated_bubble_fraction for r in reports)
     assert reports[0].simulated_source == "simulator"
-    assert measured == pytest.approx(simulated, rel=rel)
+    assert all(r.dispatch_ms == min(rank.dispatch_ms for rank in r.pipeline.ranks) > 0 for r in reports)
+    assert reports[0].p2p_latency_ms > 0
+    assert measured == pytest.approx(simulated, rel=0.10)
+    # the prediction's step is the measured makespan's counterpart
+    step = statistics.mean(r.simulated_step_ms for r in reports)
+    assert step == pytest.approx(statistics.mean(r.pipeline.makespan_ms for r in reports), rel=0.05)
 
 
 def test_interleaved_chunks_attributed_to_stages(ranks):

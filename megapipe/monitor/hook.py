@@ -43,7 +43,7 @@ from megapipe.monitor.metrics import (
     row_size,
     unpack_row,
 )
-from megapipe.monitor.predict import simulated_bubble_fraction
+from megapipe.monitor.predict import predict_bubble
 from megapipe.monitor.proxy import TimersProxy
 
 __all__ = ["HookReport", "ScheduleHook", "attach"]
@@ -66,10 +66,16 @@ class HookReport:
     """All pipeline ranks; None with pipeline size 1 (no bubble to report)."""
     measured_bubble_fraction: float | None
     simulated_bubble_fraction: float | None
-    """megapipe's simulator fed with the measured per-stage F/B times."""
+    """megapipe's simulator fed with the measured per-stage F/B times, per-op dispatch and p2p latency."""
     simulated_source: str | None
     """``simulator`` or ``closed_form`` (equal-stage formula when the simulator is unavailable)."""
     plan_bubble_fraction: float | None
+    simulated_step_ms: float | None = None
+    """The simulator's step for the measured window (compare with ``pipeline.makespan_ms``)."""
+    dispatch_ms: float | None = None
+    """The measured per-op dispatch overhead the simulator charged to every op."""
+    p2p_latency_ms: float | None = None
+    """The per-message latency the simulator charged."""
 
 
 class ScheduleHook:
@@ -100,7 +106,8 @@ class ScheduleHook:
         self._configs = list(configs)
         self._group, self._gather_every, self._clock = group, gather_every, clock
         self._warn_threshold, self._plan, self._schedule, self._on_report = warn_threshold, plan_bubble_fraction, schedule, on_report
-        self._p2p_latency_ms = p2p_latency_ms
+        self.p2p_latency_ms = p2p_latency_ms
+        """Per-message cost the simulator charges; the monitor sets it from its link check."""
         self._ring = IntervalRing(capacity=capacity, num_slots=_NUM_SLOTS)
         self._recording, self._faulted, self._warned, self._overflow_logged = True, False, False, False
         self._step_start = float("nan")
@@ -213,17 +220,21 @@ class ScheduleHook:
         return [t.tolist() for t in recv]
 
     def _publish(self, local: StepMetrics, ranks: list[StepMetrics]) -> None:
-        pipeline = measured = simulated = source = None
+        pipeline = measured = prediction = None
         if self._gather_buffers is not None:
             pipeline = combine_rows(ranks, num_model_chunks=self.num_model_chunks)
             measured = pipeline.bubble_fraction
-            simulated, source = simulated_bubble_fraction(
+            prediction = predict_bubble(
                 pipeline, schedule=self._schedule, microbatch_group_size_per_vp_stage=self.microbatch_group_size,
-                p2p_latency_ms=self._p2p_latency_ms,
+                p2p_latency_ms=self.p2p_latency_ms,
             )
         report = HookReport(
             step=self._steps, rank=local, pipeline=pipeline, measured_bubble_fraction=measured,
-            simulated_bubble_fraction=simulated, simulated_source=source, plan_bubble_fraction=self._plan,
+            simulated_bubble_fraction=prediction and prediction.bubble_fraction,
+            simulated_source=prediction and prediction.source, plan_bubble_fraction=self._plan,
+            simulated_step_ms=prediction and prediction.step_time_ms,
+            dispatch_ms=prediction and prediction.dispatch_ms,
+            p2p_latency_ms=prediction and prediction.p2p_latency_ms,
         )
         self.last_report = report
         self.reports.append(report)

@@ -19,7 +19,13 @@ Large-Scale Language Model Training on GPU Clusters", Sec. 2.2):
 * ``other_ms`` = ``wall_ms`` - compute - p2p wait (Python between timers, the
   gradient finalisation inside ``forward-backward``);
 * warm-up idle = non-compute time before the first backward starts; cool-down
-  idle = non-compute time after the last forward ends.
+  idle = non-compute time after the last forward ends;
+* ``dispatch_ms`` = the median non-compute stretch before a compute call (p2p
+  timers plus untimed Python between them): what the rank spends per op when its
+  input is already there. Most stretches are of that kind; the long ones are waits
+  on a neighbour, which the simulator derives from the schedule itself, so the
+  median leaves them out (the torch-pipelining validation in docs/validation.md
+  charges each op the same kind of overhead).
 
 Interleaved schedules: the i-th forward on a rank belongs to the model chunk of
 megatron-core's schedule table (``get_schedule_table``: groups of
@@ -30,6 +36,7 @@ order), and the i-th backward to chunk ``num_model_chunks - 1 -`` that chunk.
 from __future__ import annotations
 
 import enum
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,6 +101,8 @@ class StepMetrics:
     gaps_ms: tuple[float, ...] = ()
     """Idle gap before each compute call in order (single steps only)."""
     num_steps: int = 1
+    dispatch_ms: float = 0.0
+    """Median of the gaps before compute calls: per-op overhead of a rank whose input is ready."""
 
     @property
     def compute_ms(self) -> float:
@@ -137,6 +146,11 @@ class PipelineMetrics:
     def compute_spread_ms(self) -> float:
         """max - min per-rank compute per step: the imbalance a better layout removes."""
         return max(self.rank_compute_ms) - min(self.rank_compute_ms)
+
+    @property
+    def dispatch_ms(self) -> float:
+        """Per-op dispatch overhead of the pipeline: the smallest rank's median stretch (see predict.py)."""
+        return min(r.dispatch_ms for r in self.ranks)
 
     @property
     def makespan_ms(self) -> float:
@@ -224,6 +238,7 @@ def derive_step(
         chunk_forward_ms=_chunk_means(forward_durations, chunk_of_forward, num_model_chunks),
         chunk_backward_ms=_chunk_means(backward_durations, chunk_of_backward, num_model_chunks),
         gaps_ms=tuple(gaps),
+        dispatch_ms=statistics.median(gaps) if gaps else 0.0,
     )
 
 
@@ -249,6 +264,7 @@ _SCALARS = (
     "max_gap_ms",
     "num_forward",
     "num_backward",
+    "dispatch_ms",
 )
 
 
