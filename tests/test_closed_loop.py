@@ -46,7 +46,7 @@ def _monitored_run(layout: str, log_dir: str) -> list[float]:
 
     mc.init_model_parallel(pipeline_model_parallel_size=2)
     models = mc.build_gpt_chunks(layout=layout, num_layers=NUM_LAYERS, delays_ms=DELAYS)
-    mon = attach_monitor(models, log_dir=log_dir, layout=layout, topology_check=False, warmup_steps=1)
+    mon = attach_monitor(models, log_dir=log_dir, layout=layout, topology_check=False, warmup_steps=1, log_every=1)
     mon.train_start()
     run = mc.train_steps(models, num_steps=STEPS, num_microbatches=MICROBATCHES,
                          between_steps=lambda step: mon.step_end(step))
