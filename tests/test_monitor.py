@@ -93,9 +93,28 @@ def test_drift_figures_and_advice():
     assert found["stage_memory_bytes"].drift == pytest.approx(0.25) and found["stage_memory_bytes"].predicted == 200.0
     text = drift.advice(found["step_time_s"], threshold=0.1, run_dir="runs/a")
     assert "megapipe replan runs/a" in text and "profile=" in text
+    _check_suggested_commands(text)
     assert [d.figure for d in drift.drifts(plan, step_time_s=None, bubble_fraction=math.nan, stage_peak_bytes=None)] == []
     with pytest.raises(ConfigError, match="megapipe-plan/1"):
         drift.expectation({"format": "megapipe-profile/1"})
+
+
+def _check_suggested_commands(text):
+    """Each command the advice names is a CLI subcommand, and its key=value words compose as overrides."""
+    import importlib
+    import re
+
+    from megapipe.config import compose
+
+    commands = re.findall(r"`(megapipe [^`]+)`", text)
+    assert [c.split()[1] for c in commands] == ["replan", "plan"]
+    for command in commands:
+        module = importlib.import_module(f"megapipe.commands.{command.split()[1]}")
+        assert callable(module.run)
+        overrides = [word for word in command.split()[2:] if "=" in word]
+        cfg = compose(["model=tiny_gpt", "cluster=cpu_gloo",
+                       *(f"{word.split('=')[0]}=measured.yaml" for word in overrides)])
+        assert all(cfg[word.split("=")[0]] == "measured.yaml" for word in overrides)
 
 
 def test_jsonl_round_trip_and_errors(tmp_path):
@@ -144,3 +163,99 @@ def test_single_rank_monitor_without_model(tmp_path):
     assert [s for s, _ in seen] == [0, 1, 2]
     assert seen[-1][1]["megapipe/tokens_per_s"] == pytest.approx(1000 / (seen[-1][1]["megapipe/step_time_ms"] / 1e3))
     assert {r["kind"] for r in jsonl.read_monitor(str(tmp_path))} == {"start", "rank", "pipeline"}
+
+
+# ------------------------------------------------------- layout and MFU without extra arguments
+
+
+@pytest.mark.parametrize("layout, pp, vp, expected", [
+    ("Et|(t|)*2,tL", 2, 2, "Et|t|t|tL"),
+    ("Et*2|t*2L", 2, None, "Et*2|t*2L"),
+    ([["embedding", "decoder"], ["decoder"] * 3 + ["loss"]], 2, None, "Et|t*3L"),
+])
+def test_layout_read_back_from_megatron_config(layout, pp, vp, expected):
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from megapipe.layout import parse_layout
+    from megapipe.monitor.run_layout import layout_string
+
+    config = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=2, pipeline_model_parallel_size=pp,
+                               virtual_pipeline_model_parallel_size=vp, pipeline_dtype=torch.float32,
+                               pipeline_model_parallel_layout=layout)
+    value = config.pipeline_model_parallel_layout
+    assert type(value).__name__ == "PipelineParallelLayerLayout"  # what megatron-core keeps after __post_init__
+    text = layout_string(value)
+    assert text == expected
+    # the same units in Megatron's layer-id order (flatten_layout)
+    kinds = [kind.value for stage in parse_layout(text) for kind in stage]
+    assert kinds == [t.name for t in value.flatten_layout]
+
+
+def test_monitor_log_records_layout_from_config(tmp_path):
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from megapipe.monitor.monitor import attach_monitor
+
+    config = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=2, pipeline_model_parallel_size=2,
+                               pipeline_dtype=torch.float32, pipeline_model_parallel_layout="E(t)*3|tL")
+    mon = attach_monitor([config], log_dir=str(tmp_path), pipeline_group=None, schedule_hook=False)
+    mon.train_start()
+    mon.train_end()
+    start = [r for r in jsonl.read_monitor(str(tmp_path)) if r["kind"] == "start"]
+    assert start[0]["layout"] == "Et*3|tL"
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    from megapipe.cli import main
+
+    out = tmp_path_factory.mktemp("plan")
+    assert main(["plan", "model=tiny_gpt", "cluster=cpu_gloo", "train.global_batch_size=8", f"output.dir={out}",
+                 "output.format=json"]) == 0
+    return str(out / "plan.yaml")
+
+
+def test_plan_rates_reproduce_the_planners_mfu(tiny_plan, capsys):
+    import yaml
+
+    from megapipe.monitor.throughput import plan_rates, throughput
+
+    with open(tiny_plan, encoding="utf-8") as handle:
+        document = yaml.safe_load(handle)
+    best = document["best"]
+    rates = plan_rates(document)
+    assert rates.tokens_per_step == best["train"]["global_batch_size"] * best["train"]["seq_length"]
+    # at the plan's own step time the monitor's convention gives the plan's throughput and MFU
+    tp = throughput(tokens_per_step=rates.tokens_per_step, step_time_s=best["step_time_s"],
+                    num_gpus=document["cluster"]["num_gpus"], flops_per_token=rates.flops_per_token,
+                    peak_tflops_per_gpu=rates.peak_tflops_per_gpu)
+    assert tp.tokens_per_s == pytest.approx(best["tokens_per_s"], rel=1e-9)
+    assert tp.mfu == pytest.approx(best["mfu"], rel=1e-9)
+    assert plan_rates({**document, "model": None}) is None
+    with pytest.raises(ConfigError, match="plan.yaml model/train section"):
+        plan_rates({**document, "model": {"name": "broken"}})
+
+
+def test_monitor_reports_mfu_from_plan_alone(tiny_plan, tmp_path):
+    import time
+
+    import yaml
+
+    from megapipe.monitor.monitor import attach_monitor
+    from megapipe.monitor.throughput import plan_rates
+
+    with open(tiny_plan, encoding="utf-8") as handle:
+        rates = plan_rates(yaml.safe_load(handle))
+    mon = attach_monitor(log_dir=str(tmp_path), plan=tiny_plan, warmup_steps=0, log_every=1, topology_check=False)
+    mon.train_start()
+    time.sleep(0.01)
+    metrics = mon.step_end(0)
+    mon.train_end()
+    step_s = metrics["megapipe/step_time_ms"] / 1e3
+    expected = rates.tokens_per_step * rates.flops_per_token / step_s / (rates.peak_tflops_per_gpu * 1e12)
+    assert metrics["megapipe/mfu"] == pytest.approx(expected, rel=1e-9)
+    assert metrics["megapipe/tflops_per_gpu"] == pytest.approx(expected * rates.peak_tflops_per_gpu, rel=1e-9)
+    start = [r for r in jsonl.read_monitor(str(tmp_path)) if r["kind"] == "start"][0]
+    assert start["flops_per_token"] == rates.flops_per_token and start["tokens_per_step"] == rates.tokens_per_step

@@ -60,6 +60,7 @@ def _run(*, monitor_kwargs: dict | None, inject=None, steps: int = STEPS):
     restored = all(not type(m.config.timers).__name__.endswith("TimersProxy") for m in models)
     return {"losses": run.losses, "logged": logged, "messages": list(mon.messages) if mon else [],
             "enabled": enabled, "restored": restored,
+            "hook_latency_ms": mon.hook.p2p_latency_ms if mon is not None and mon.hook is not None else None,
             "links": [(l.peer, l.bandwidth_gbytes_per_s, l.latency_us) for l in (mon.links if mon else [])]}
 
 
@@ -186,6 +187,25 @@ def test_metrics_and_jsonl_records(results):
     assert len(times) == 2
     assert times[1][0] >= 20.0 * 0.95 and times[1][1] >= 40.0 * 0.95  # at least the sleeps (real compute on top)
     assert times[1][0] > times[0][0]  # the loss head's sleep sits on stage 1
+
+
+def test_layout_logged_from_megatron_config_and_replan_reads_it(results):
+    from megapipe.monitor.jsonl import read_monitor
+    from megapipe.replan import measured_run
+
+    _, log_dir = results
+    records = read_monitor(f"{log_dir}/nan")  # no plan and no layout= given: megatron-core's layout object
+    assert {r["layout"] for r in records if r["kind"] in ("start", "pipeline")} == {"Et*2|t*2L"}
+    run = measured_run(records)
+    assert run.layout == "Et*2|t*2L" and len(run.stage_forward_ms) == 2
+
+
+def test_link_latency_feeds_the_hook_simulator(results):
+    ranks, _ = results
+    for rank in ranks:
+        peer, _, latency_us = rank["monitored"]["links"][0]
+        assert rank["monitored"]["hook_latency_ms"] == pytest.approx(latency_us / 1e3)
+        assert rank["nan"]["hook_latency_ms"] == 0.0  # no link check, no latency given
 
 
 def test_drift_and_topology_warnings(results):

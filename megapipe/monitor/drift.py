@@ -97,4 +97,5 @@ def advice(drift: Drift, *, threshold: float, run_dir: str | None) -> str:
     where = run_dir or "RUN_DIR"
     return (f"drift: measured {drift.figure} {drift.measured:.4g} vs plan {drift.predicted:.4g} "
             f"({unit} drift {drift.drift:.3f} > threshold {threshold:g}); re-plan from the measurement: "
-            f"`megapipe replan {where}` or `megapipe plan ... profile=<measured profile>`")
+            f"`megapipe replan {where}` (re-partitions and writes the measured profile.yaml to its output dir) "
+            f"or `megapipe plan ... profile=<measured profile.yaml>`")

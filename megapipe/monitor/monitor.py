@@ -39,7 +39,8 @@ from megapipe.errors import ConfigError
 from megapipe.monitor import drift as drift_mod
 from megapipe.monitor.jsonl import JsonlWriter
 from megapipe.monitor.memory import sample_memory, spread
-from megapipe.monitor.throughput import throughput
+from megapipe.monitor.run_layout import layout_string
+from megapipe.monitor.throughput import plan_rates, throughput
 from megapipe.monitor.topology import compare_link, expected_link, measure_neighbours
 
 __all__ = ["TrainingMonitor", "attach_monitor", "load_plan"]
@@ -53,6 +54,11 @@ _ROW = ("flag", "step_time_ms", "peak_allocated_bytes", "peak_reserved_bytes", "
 
 def load_plan(plan: str | dict | None) -> drift_mod.PlanExpectation | None:
     """A plan.yaml path (or its parsed dict) -> its expectation; None passes through."""
+    document = _plan_document(plan)
+    return drift_mod.expectation(document) if document is not None else None
+
+
+def _plan_document(plan: str | dict | None) -> dict | None:
     if plan is None:
         return None
     if isinstance(plan, str):
@@ -62,7 +68,7 @@ def load_plan(plan: str | dict | None) -> drift_mod.PlanExpectation | None:
             raise ConfigError(f"plan={plan!r} does not exist; pass the plan.yaml that `megapipe plan` wrote")
         with open(plan, encoding="utf-8") as handle:
             plan = yaml.safe_load(handle)
-    return drift_mod.expectation(plan)
+    return plan
 
 
 def _finite(x: Any) -> bool:
@@ -77,7 +83,8 @@ class TrainingMonitor:
                  drift_threshold: float, warmup_steps: int, topology_check: bool, topology_threshold: float,
                  topology_budget_s: float, expected_link: dict | None, tokens_per_step: float | None,
                  flops_per_token: float | None, peak_tflops_per_gpu: float | None, layout: str | None,
-                 layers_per_stage: Sequence[int] | None, sinks: Sequence[Sink], run_dir: str | None) -> None:
+                 layers_per_stage: Sequence[int] | None, sinks: Sequence[Sink], run_dir: str | None,
+                 link_latency_to_hook: bool = False) -> None:
         self.hook, self.rank, self.pipeline_rank, self.num_gpus = hook, rank, pipeline_rank, num_gpus
         self.plan, self.log_every, self.drift_threshold, self.warmup_steps = plan, log_every, drift_threshold, warmup_steps
         self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak_tflops_per_gpu
@@ -88,6 +95,7 @@ class TrainingMonitor:
         self.links: list = []
         self._group, self._run_dir = group, run_dir or log_dir
         self._topology = (topology_check, topology_threshold, topology_budget_s, expected_link)
+        self._link_latency_to_hook = link_latency_to_hook
         self._writer = JsonlWriter(log_dir, rank=rank) if log_dir else None
         self._faulted, self._warned, self._steps, self._logged = False, set(), 0, 0
         self._window_s, self._window_n = 0.0, 0
@@ -170,6 +178,9 @@ class TrainingMonitor:
 
             device = f"cuda:{torch.cuda.current_device()}"
         self.links = measure_neighbours(self._group, budget_s=budget_s, device=device)
+        latencies = [link.latency_us for link in self.links if _finite(link.latency_us) and link.latency_us >= 0]
+        if self._link_latency_to_hook and self.hook is not None and latencies:
+            self.hook.p2p_latency_ms = max(latencies) / 1e3  # the simulator's per-message cost
         for link in self.links:
             if link.peer < self.rank:
                 continue  # the lower rank of a pair reports it
@@ -348,7 +359,8 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
                    expected_link: dict | None = None, tokens_per_step: float | None = None,
                    flops_per_token: float | None = None, peak_tflops_per_gpu: float | None = None,
                    layout: str | None = None, sinks: Sequence[Sink] = (), run_dir: str | None = None,
-                   schedule_hook: bool = True, pipeline_group: Any = "auto", p2p_latency_ms: float = 0.0) -> TrainingMonitor:
+                   schedule_hook: bool = True, pipeline_group: Any = "auto",
+                   p2p_latency_ms: float | None = None) -> TrainingMonitor:
     """Create the monitor on this rank (call on every rank, before the first step).
 
     ``models``: the model chunks (or their TransformerConfigs); the schedule hook is
@@ -356,8 +368,13 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
     False. ``log_dir``: where ``rank-*.jsonl`` go (None: no file). ``plan``: a
     plan.yaml path or dict for drift and topology checks. ``expected_link``: a
     link record (``kind``, ``bandwidth_gbytes_per_s``, ``latency_us``) that
-    overrides the plan's. ``flops_per_token``: e.g.
-    ``megapipe.cost.model_flops_per_token(model, seq_length)``.
+    overrides the plan's. ``tokens_per_step``, ``flops_per_token`` (e.g.
+    ``megapipe.cost.model_flops_per_token(model, seq_length)``) and
+    ``peak_tflops_per_gpu`` default to the plan's (global batch x seq_length, its
+    model section, its cluster's GPU). ``layout`` defaults to the model config's
+    ``pipeline_model_parallel_layout`` (string or Megatron's layout object).
+    ``p2p_latency_ms``: the per-message cost the hook's simulator charges; None
+    takes the latency the link check measures at ``train_start`` (0 without it).
     """
     for name, value, low in (("log_every", log_every, 1), ("warmup_steps", warmup_steps, 0)):
         if not (isinstance(value, int) and value >= low):
@@ -366,19 +383,25 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
                         ("topology_budget_s", topology_budget_s)):
         if not (_finite(value) and value > 0):
             raise ConfigError(f"{name}={value!r} must be a number > 0")
-    expectation = load_plan(plan)
+    document = _plan_document(plan)
+    expectation = drift_mod.expectation(document) if document is not None else None
+    rates = plan_rates(document) if document is not None else None
+    if rates is not None:  # explicit arguments win over the plan's figures
+        tokens_per_step = tokens_per_step or rates.tokens_per_step
+        flops_per_token = flops_per_token or rates.flops_per_token
+        peak_tflops_per_gpu = peak_tflops_per_gpu or rates.peak_tflops_per_gpu
     hook = group = None
     if models is not None:
         from megapipe.monitor.hook import _config_of, _pipeline_group, attach
 
         config = _config_of(models[0] if isinstance(models, (list, tuple)) else models)
         group = _pipeline_group(config, pipeline_group)
-        if layout is None and isinstance(getattr(config, "pipeline_model_parallel_layout", None), str):
-            layout = config.pipeline_model_parallel_layout
+        if layout is None:
+            layout = layout_string(getattr(config, "pipeline_model_parallel_layout", None))
         if schedule_hook:
             hook = attach(models, pipeline_group=group if group is not None else None, gather_every=log_every,
                           plan=expectation.bubble_fraction if expectation else None,
-                          p2p_latency_ms=p2p_latency_ms)
+                          p2p_latency_ms=p2p_latency_ms or 0.0)
     elif pipeline_group != "auto":
         group = pipeline_group
     rank, pipeline_rank, num_gpus = 0, 0, 1
@@ -393,5 +416,5 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
         topology_check=topology_check, topology_threshold=float(topology_threshold),
         topology_budget_s=float(topology_budget_s), expected_link=expected_link, tokens_per_step=tokens_per_step,
         flops_per_token=flops_per_token, peak_tflops_per_gpu=peak_tflops_per_gpu, layout=layout,
-        layers_per_stage=None, sinks=sinks, run_dir=run_dir,
+        layers_per_stage=None, sinks=sinks, run_dir=run_dir, link_latency_to_hook=p2p_latency_ms is None,
     )
