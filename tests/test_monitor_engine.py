@@ -173,6 +173,8 @@ def test_metrics_and_jsonl_records(results):
     ranks, log_dir = results
     metrics = ranks[0]["monitored"]["logged"][-1]
     assert 0.0 < metrics["megapipe/bubble_fraction"] < 1.0
+    assert metrics["megapipe/simulated_bubble_fraction"] == pytest.approx(metrics["megapipe/bubble_fraction"], rel=0.25)
+    assert 0.0 < metrics["megapipe/dispatch_ms"] < 0.1 * metrics["megapipe/simulated_step_ms"]
     assert metrics["megapipe/memory_spread"] >= 0.0 and metrics["megapipe/memory_cv"] >= 0.0
     step_s = metrics["megapipe/step_time_ms"] / 1e3
     # stage 1 sleeps 2 x 4 + 12 ms forward, 2 x 8 + 24 ms backward per microbatch: a lower bound on the step

@@ -314,6 +314,7 @@ class TrainingMonitor:
         if report is not None and report.pipeline is not None:
             out.update(bubble_fraction=report.measured_bubble_fraction,
                        simulated_bubble_fraction=report.simulated_bubble_fraction,
+                       simulated_step_ms=report.simulated_step_ms, dispatch_ms=report.dispatch_ms,
                        stage_forward_ms=list(report.pipeline.stage_forward_ms),
                        stage_backward_ms=list(report.pipeline.stage_backward_ms),
                        compute_spread_ms=report.pipeline.compute_spread_ms)
