@@ -25,7 +25,20 @@ __all__ = [
     "TrainSpec",
     "LayerCost",
     "StageSpec",
+    "SEARCH_DIMENSIONS",
 ]
+
+SEARCH_DIMENSIONS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "sequence_parallel",
+    "micro_batch_size",
+    "recompute_granularity",
+    "schedule",
+)
+"""What ``megapipe plan`` searches when left null; data_parallel_size is what is left of the GPUs."""
 
 
 class Activation(str, enum.Enum):

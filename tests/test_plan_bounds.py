@@ -102,3 +102,28 @@ def test_bound_layers_hold_the_profiles_numbers():
         full = Evaluator(model=model, cluster=cluster, options=options).profile(cand).layers
         assert [dataclasses.replace(u, name="") for u in units] == [dataclasses.replace(f, name="") for f in full]
     assert len(seen) > 20
+
+
+def test_bound_classes_share_bounds():
+    """Schedules of one BOUND_CLASS, at any virtual size, get the same bounds: the search bounds each class once."""
+    from megapipe.plan.bounds import BOUND_CLASS
+
+    cluster = _cluster(80.0)
+    options = SearchOptions(micro_batch_sizes=(1, 2), max_virtual_pipeline_model_parallel_size=4,
+                            per_stage_recompute=True)
+    model = dataclasses.replace(MODEL, mtp_num_layers=1)
+    space = enumerate_candidates(model=model, cluster=cluster, train=TRAIN, options=options)
+    evaluator = Evaluator(model=model, cluster=cluster, options=options)
+    seen: dict[tuple, object] = {}
+    shared = 0
+    for cand in space.candidates:
+        # a fresh evaluator per candidate: no cached term can carry one schedule's value to another
+        bound = Evaluator(model=model, cluster=cluster, options=options).bound(cand)
+        assert evaluator.bound(cand) == bound
+        assert evaluator.memory_bound_of(cand) == bound.memory_bytes
+        key = cand.layer_key + (cand.parallel.data_parallel_size, BOUND_CLASS[cand.schedule], cand.per_stage_recompute)
+        if key in seen:
+            assert seen[key] == bound, (cand, key)
+            shared += 1
+        seen[key] = bound
+    assert shared > 50

@@ -19,6 +19,7 @@ from megapipe.config.hf import read_hf_config
 from megapipe.config.schema import register_configs
 from megapipe.errors import ConfigError
 from megapipe.records import (
+    SEARCH_DIMENSIONS,
     Activation,
     AttentionBackend,
     ClusterSpec,
@@ -44,16 +45,7 @@ DEFAULT_FILL = {
 }
 """What a null search dimension means outside ``megapipe plan``."""
 
-SEARCHABLE = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "sequence_parallel",
-    "micro_batch_size",
-    "recompute_granularity",
-    "schedule",
-)
+SEARCHABLE = SEARCH_DIMENSIONS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

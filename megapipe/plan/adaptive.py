@@ -35,8 +35,8 @@ from megapipe.records import GpuSpec, LayerCost, Partition, Recompute, StageSpec
 if TYPE_CHECKING:
     from megapipe.plan.evaluate import Bound, Evaluator
 
-__all__ = ["OptionSplit", "split_with_options", "RECOMPUTE_OPTIONS", "per_stage_bound", "per_stage_can_fit",
-           "per_stage_partition"]
+__all__ = ["OptionSplit", "split_with_options", "RECOMPUTE_OPTIONS", "per_stage_bound", "per_stage_memory_bound",
+           "per_stage_can_fit", "per_stage_partition"]
 
 RECOMPUTE_OPTIONS = (Recompute.none, Recompute.selective, Recompute.full)
 """The options each rank picks from, least recompute (fastest, most activation bytes) first."""
@@ -152,7 +152,12 @@ def per_stage_bound(ev: Evaluator, cand: Candidate, *, min_time_scale: float) ->
     variants = [_variant(cand, option) for option in RECOMPUTE_OPTIONS]
     share = min(ev.forward_share(variant) for variant in variants)
     step = ev.bound_terms(variants[0], min_time_scale=min_time_scale, forward_share=share, include_sync=False)
-    return dataclasses.replace(step, memory_bytes=ev.memory_bound(variants[-1]))
+    return dataclasses.replace(step, memory_bytes=per_stage_memory_bound(ev, cand))
+
+
+def per_stage_memory_bound(ev: Evaluator, cand: Candidate) -> float:
+    """Full recompute everywhere holds the fewest activation bytes, so its memory bound bounds every mix."""
+    return ev.memory_bound(_variant(cand, RECOMPUTE_OPTIONS[-1]))
 
 
 def per_stage_can_fit(ev: Evaluator, cand: Candidate, gpus: tuple[GpuSpec, ...] | None) -> bool:

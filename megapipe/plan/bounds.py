@@ -18,11 +18,17 @@ from dataclasses import dataclass
 
 from megapipe.records import LayerCost, LayerKind
 
-__all__ = ["LayerShape", "least_in_flight", "water_level", "layer_shape", "split_can_fit", "pipeline_floor_ms",
+__all__ = ["BOUND_CLASS", "LayerShape", "least_in_flight", "water_level", "layer_shape", "split_can_fit", "pipeline_floor_ms",
            "FUSED_BACKWARD"]
 
 FUSED_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved_1f1b"})
 """Schedules whose backward is one op (B), so a rank's last op is a backward that must drain upstream."""
+
+BOUND_CLASS = {"gpipe": "gpipe", "1f1b": "1f1b", "zb_h1": "zero_bubble", "zb_h2": "zero_bubble",
+               "interleaved_1f1b": "interleaved", "zb_v": "v_shaped", "dualpipe_v": "v_shaped"}
+"""Schedules of one class share the closed-form bounds of a candidate (its forward-path share phi,
+least in-flight counts and the rank holding the loss); the virtual size does not enter them.
+The search bounds each (layer key, DP, class) once; tests/test_plan_bounds.py checks it."""
 
 _SLACK = 1e-6
 """Decoder-count slack that absorbs the solver's prefix-sum rounding: split_can_fit only says no when sure."""

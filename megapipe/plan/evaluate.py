@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 from megapipe import cost, partition, schedules
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, stage_ranks
-from megapipe.plan.adaptive import per_stage_bound, per_stage_can_fit, per_stage_partition
-from megapipe.plan.bounds import least_in_flight, layer_shape, pipeline_floor_ms, split_can_fit, water_level
+from megapipe.plan.adaptive import per_stage_bound, per_stage_can_fit, per_stage_memory_bound, per_stage_partition
+from megapipe.plan.bounds import BOUND_CLASS, least_in_flight, layer_shape, pipeline_floor_ms, split_can_fit, water_level
 from megapipe.plan.metrics import GIB, plan_record
 from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
+from megapipe.plan.units import UnitCosts, repeated_sum
 from megapipe.profile.format import Profile
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, LinkSpec, ModelSpec, Partition, StageSpec
 from megapipe.simulate import P2PCost, StageTimes, simulate
@@ -110,7 +111,11 @@ class Evaluator:
         self._shapes: dict[tuple, object] = {}
         self._units: dict[tuple, tuple[LayerCost, ...]] = {}
         self._forward_shares: dict[tuple, float] = {}
-        self._unit_model = dataclasses.replace(model, num_layers=1, mtp_num_layers=min(model.mtp_num_layers, 1))
+        self._memory_bounds: dict[tuple, float] = {}
+        self._dp_terms: dict[tuple, tuple[float, float]] = {}
+        self._uniform_specs: dict[int, tuple[StageSpec, ...]] = {}
+        self._layouts: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._unit_costs = UnitCosts(model=model, cluster=cluster)
 
     # -- layer costs -----------------------------------------------------------------
     def profile(self, cand: Candidate, gpu: GpuSpec | None = None) -> Profile:
@@ -141,11 +146,7 @@ class Evaluator:
             return self._profiles[key].layers
         found = self._units.get(key)
         if found is None:
-            model = self.model
-            units = cost.layer_costs(model=self._unit_model, gpu=gpu, cluster=self.cluster, parallel=cand.parallel,
-                                     train=cand.train).layers
-            repeat = {LayerKind.decoder: model.num_layers, LayerKind.mtp: model.mtp_num_layers}
-            found = tuple(unit for unit in units for _ in range(repeat.get(unit.kind, 1)))
+            found = self._unit_costs.layers(cand, gpu)
             self._units[key] = found
         return found
 
@@ -153,11 +154,16 @@ class Evaluator:
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
         found = self._totals.get(key)
         if found is None:
-            layers = self.bound_layers(cand)
-            decoder_ms = [layer.fwd_ms + layer.bwd_ms for layer in layers if layer.kind == LayerKind.decoder]
-            found = _Totals(*(sum(getattr(layer, name) for layer in layers) for name in
+            if self.fixed_profile is not None:
+                units, counts = self.fixed_profile.layers, (1,) * len(self.fixed_profile.layers)
+            else:
+                units, counts = self._unit_costs.runs(cand, self.cluster.gpu)
+            decoders = [(unit.fwd_ms + unit.bwd_ms, count) for unit, count in zip(units, counts)
+                        if unit.kind == LayerKind.decoder and count]
+            found = _Totals(*(repeated_sum([getattr(unit, name) for unit in units], counts) for name in
                               ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes", "param_count")),
-                            num_decoders=len(decoder_ms), decoder_min_ms=min(decoder_ms, default=0.0))
+                            num_decoders=sum(count for _, count in decoders),
+                            decoder_min_ms=min((ms for ms, _ in decoders), default=0.0))
             self._totals[key] = found
         return found
 
@@ -204,12 +210,24 @@ class Evaluator:
         pipeline = max(pipeline, fullest)
         if self.cluster.is_heterogeneous:  # per-type windows and bandwidths: keep the pipeline term only
             return Bound(step_ms=pipeline, memory_bytes=self.memory_bound(cand))
-        params = totals.param_count / pp
-        optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par,
-                                      precision=cand.train.precision)
-        sync = dp_sync_ms(params_per_gpu=params, precision=cand.train.precision, cluster=self.cluster, parallel=par,
-                          backward_ms=totals.bwd_ms / pp, forward_ms=totals.fwd_ms / pp) if include_sync else 0.0
+        optimizer, sync = self._dp_step_terms(cand, totals, include_sync)
         return Bound(step_ms=pipeline + optimizer + sync, memory_bytes=self.memory_bound(cand))
+
+    def _dp_step_terms(self, cand: Candidate, totals: _Totals, include_sync: bool) -> tuple[float, float]:
+        """Optimizer step and exposed DP sync of the mean rank; they do not depend on VP or the schedule."""
+        par = cand.parallel
+        key = cand.layer_key + (par.data_parallel_size, include_sync)
+        found = self._dp_terms.get(key)
+        if found is None:
+            pp = par.pipeline_model_parallel_size
+            params = totals.param_count / pp
+            optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par,
+                                          precision=cand.train.precision)
+            sync = dp_sync_ms(params_per_gpu=params, precision=cand.train.precision, cluster=self.cluster,
+                              parallel=par, backward_ms=totals.bwd_ms / pp,
+                              forward_ms=totals.fwd_ms / pp) if include_sync else 0.0
+            found = self._dp_terms[key] = (optimizer, sync)
+        return found
 
     def forward_share(self, cand: Candidate) -> float:
         """The smallest F / (F + B) over the profile's entries."""
@@ -218,9 +236,10 @@ class Evaluator:
     def _forward_share(self, cand: Candidate) -> float:
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
         if key not in self._forward_shares:
+            layers = (self.fixed_profile.layers if self.fixed_profile is not None
+                      else self._unit_costs.runs(cand, self.cluster.gpu)[0])
             self._forward_shares[key] = min((layer.fwd_ms / (layer.fwd_ms + layer.bwd_ms)
-                                             for layer in self.bound_layers(cand) if layer.fwd_ms + layer.bwd_ms > 0),
-                                            default=0.0)
+                                             for layer in layers if layer.fwd_ms + layer.bwd_ms > 0), default=0.0)
         return self._forward_shares[key]
 
     def memory_bound(self, cand: Candidate) -> float:
@@ -236,6 +255,18 @@ class Evaluator:
         s and GPipe m (Narayanan et al. 2021); ZB-H1/H2 release at W, after 1F1B's B, so they
         hold at least as many; interleaved and V-shaped schedules are bounded by 1.
         """
+        key = cand.layer_key + (cand.parallel.data_parallel_size, cand.num_microbatches,
+                                _memory_class(cand.schedule))
+        found = self._memory_bounds.get(key)
+        if found is None:
+            found = self._memory_bounds[key] = self._water_level(cand)
+        return found
+
+    def memory_bound_of(self, cand: Candidate) -> float:
+        """The memory term of :meth:`bound` (full recompute's for a per-stage recompute candidate)."""
+        return per_stage_memory_bound(self, cand) if cand.per_stage_recompute else self.memory_bound(cand)
+
+    def _water_level(self, cand: Candidate) -> float:
         par = cand.parallel
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
         least = least_in_flight(cand.schedule, pp, m)
@@ -268,7 +299,13 @@ class Evaluator:
                     layers_of=None) -> tuple[StageSpec, ...]:
         """One StageSpec per rank: memory, and time relative to the profiled GPU (1 on that GPU)."""
         pp = cand.parallel.pipeline_model_parallel_size
-        gpus = gpus or (self.cluster.gpu,) * pp
+        if gpus is None or all(gpu is self.cluster.gpu for gpu in gpus):  # all on the profiled GPU: scale 1
+            found = self._uniform_specs.get(pp)
+            if found is None:
+                gpu = self.cluster.gpu
+                found = self._uniform_specs[pp] = (StageSpec(time_scale=1.0, memory_bytes=gpu.usable_memory_bytes,
+                                                             gpu_name=gpu.name),) * pp
+            return found
         layers_of = layers_of or (lambda c, gpu=None: self.profile(c, gpu).layers)
         ref_ms = None
         specs = []
@@ -302,14 +339,23 @@ class Evaluator:
         shape = self._shapes[key]
         if shape is None or self.options.ignore_memory_limit:
             return True
-        par = cand.parallel
-        pp, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-        in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
-                                     num_microbatches=cand.num_microbatches, virtual_pipeline_model_parallel_size=vp)
-        ranks = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+        in_flight, ranks = self._layout_counts(cand)
         specs = self.stage_specs(cand, gpus, layers_of=self.bound_layers)
         caps = chunk_memory_caps(layers=self.bound_layers(cand), stages=specs, in_flight=in_flight, ranks=ranks)
         return split_can_fit(shape=shape, caps=caps, in_flight=in_flight)
+
+    def _layout_counts(self, cand: Candidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Peak in-flight microbatches and pipeline rank of every layout stage."""
+        par = cand.parallel
+        pp, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+        key = (cand.schedule, pp, vp, cand.num_microbatches)
+        found = self._layouts.get(key)
+        if found is None:
+            in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
+                                         num_microbatches=key[3], virtual_pipeline_model_parallel_size=vp)
+            ranks = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+            found = self._layouts[key] = (in_flight, ranks)
+        return found
 
     def prepare(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
                 check_memory: bool | None = None) -> Prepared:
@@ -406,6 +452,13 @@ class Evaluator:
 
 
 _V_SHAPED = ("zb_v", "dualpipe_v")
+_MEMORY_CLASS = {"zero_bubble": "1f1b"}
+"""ZB-H1/H2 have 1F1B's least in-flight counts and loss placement (:func:`least_in_flight`)."""
+
+
+def _memory_class(schedule: str) -> str:
+    bound_class = BOUND_CLASS[schedule]
+    return _MEMORY_CLASS.get(bound_class, bound_class)
 
 
 def _profile_ms(layers) -> float:

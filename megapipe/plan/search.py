@@ -36,11 +36,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from megapipe.errors import ConfigError, InfeasibleError, ScheduleError
+from megapipe.plan.bounds import BOUND_CLASS
 from megapipe.plan.evaluate import Evaluator, Prepared
 from megapipe.plan.hetero import placements
 from megapipe.plan.rank import rank_plans, score
 from megapipe.plan.records import Candidate, Plan, SearchOptions, SearchResult, SearchStats
-from megapipe.plan.space import enumerate_candidates
+from megapipe.plan.space import Point, Space, enumerate_candidates
 from megapipe.profile.format import Profile
 from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
@@ -68,8 +69,8 @@ def search(
     space = enumerate_candidates(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
                                  use_distributed_optimizer=use_distributed_optimizer)
     pruned = Counter(space.pruned)
-    bounded = _bound_all(evaluator, space.candidates, pruned)
-    plans, work, memory_floor = _branch_and_bound(evaluator, bounded, pruned, progress)
+    bounded = _bound_all(evaluator, space, pruned)
+    plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, pruned, progress)
     if not plans:
         raise InfeasibleError(_no_plan_message(model, cluster, train, pruned, memory_floor))
     ranked = rank_plans(plans, objective=options.objective, top_k=options.top_k, bubble_target=options.bubble_target)
@@ -94,19 +95,38 @@ def _check_cluster(cluster: ClusterSpec) -> None:
             )
 
 
-def _bound_all(evaluator: Evaluator, candidates, pruned: Counter) -> list[tuple[float, int, Candidate]]:
+def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tuple[float, int, Point]]:
+    """(step bound, index, point) of every point that may fit memory, best bound first.
+
+    Points whose layer key, data-parallel size and schedule's bound class
+    (:data:`megapipe.plan.bounds.BOUND_CLASS`) agree have the same bounds, so each such group
+    is bounded once, on one Candidate; the step bound is computed only where memory may fit.
+    """
     options = evaluator.options
     memory_cap = max(group.gpu.usable_memory_bytes for group in evaluator.cluster.node_groups)
+    check_memory = not options.ignore_memory_limit
     min_scale = _min_time_scale(evaluator)
+    steps: dict[tuple, float | None] = {}
     out = []
-    for index, cand in enumerate(candidates):
-        bound = evaluator.bound(cand, min_time_scale=min_scale)
-        if bound.memory_bytes > memory_cap and not options.ignore_memory_limit:
+    for index, point in enumerate(space.points):
+        key = point[:4] + point[5:8] + (BOUND_CLASS[point.schedule], point.per_stage_recompute)  # all but VP
+        step = steps.get(key, _UNSET)
+        if step is _UNSET:
+            cand = space.candidate(point)
+            if check_memory and evaluator.memory_bound_of(cand) > memory_cap:
+                step = None
+            else:
+                step = evaluator.bound(cand, min_time_scale=min_scale).step_ms
+            steps[key] = step
+        if step is None:
             pruned["memory"] += 1
             continue
-        out.append((bound.step_ms, index, cand))
+        out.append((step, index, point))
     out.sort(key=lambda item: item[:2])
     return out
+
+
+_UNSET = object()
 
 
 def _min_time_scale(evaluator: Evaluator) -> float:
@@ -118,7 +138,8 @@ def _min_time_scale(evaluator: Evaluator) -> float:
     )
 
 
-def _branch_and_bound(evaluator: Evaluator, bounded, pruned: Counter, progress) -> tuple[list[Plan], Counter, float]:
+def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, pruned: Counter, progress
+                      ) -> tuple[list[Plan], Counter, float]:
     """Best first over lower bounds that sharpen: a candidate's closed-form bound, then its partition's floor.
 
     A popped candidate is partitioned and pushed back under max(bound, floor); popped again,
@@ -127,14 +148,14 @@ def _branch_and_bound(evaluator: Evaluator, bounded, pruned: Counter, progress) 
     """
     options = evaluator.options
     keep_all = options.bubble_target is not None
-    heap = [(bound_ms, index, cand, None) for bound_ms, index, cand in bounded]  # sorted, so a heap
+    heap = [(bound_ms, index, point, None) for bound_ms, index, point in bounded]  # sorted, so a heap
     plans: list[Plan] = []
     feasible_steps: list[float] = []
     work: Counter = Counter()
     memory_floor = float("inf")
     done = 0
     while heap:
-        key, index, cand, prepared = heap[0]
+        key, index, point, prepared = heap[0]
         cutoff = None if keep_all or len(feasible_steps) < options.top_k else feasible_steps[options.top_k - 1]
         if cutoff is not None and key >= cutoff:
             pruned["bound"] += len(heap)
@@ -144,10 +165,10 @@ def _branch_and_bound(evaluator: Evaluator, bounded, pruned: Counter, progress) 
             if progress is not None:
                 progress(done, len(bounded))
             done += 1
-            prepared = _prepare_placements(evaluator, cand, pruned, work)
+            prepared = _prepare_placements(evaluator, space.candidate(point), pruned, work)
             if prepared and not keep_all:
                 floor = min(item.floor_ms for item in prepared) * (1 - _FLOOR_MARGIN)
-                heapq.heappush(heap, (max(key, floor), index, cand, prepared))
+                heapq.heappush(heap, (max(key, floor), index, point, prepared))
                 continue
         plan = _finish_best(evaluator, prepared, pruned, work, cutoff) if prepared else None
         if plan is None:

@@ -16,7 +16,10 @@ Pruning rules, each counted under its reason:
   microbatch_group_size_per_vp_stage = PP); the V-shaped schedules need num_microbatches >= 2*PP
   (ZB-V, Qi et al. 2024; DualPipe) to reach their steady state.
 
-Memory pruning needs layer costs and lives in :mod:`megapipe.plan.search`.
+Candidates are enumerated as :class:`Point` tuples; the search builds a
+:class:`~megapipe.plan.records.Candidate` only for the few it partitions, since most are
+pruned by closed forms first. Memory pruning needs layer costs and lives in
+:mod:`megapipe.plan.search`.
 """
 
 from __future__ import annotations
@@ -24,27 +27,35 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megapipe.errors import ConfigError
 from megapipe.plan.records import SCHEDULES, Candidate, SearchOptions
-from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
+from megapipe.records import SEARCH_DIMENSIONS, ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
-__all__ = ["DIMENSIONS", "Space", "divisors", "enumerate_candidates", "schedule_virtual_sizes"]
+__all__ = ["DIMENSIONS", "Point", "Space", "divisors", "enumerate_candidates", "schedule_virtual_sizes"]
 
-DIMENSIONS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "sequence_parallel",
-    "micro_batch_size",
-    "recompute_granularity",
-    "schedule",
-)
+DIMENSIONS = SEARCH_DIMENSIONS
 """The searched dimensions; data_parallel_size is what is left of the GPUs."""
 
 _V_SHAPED = ("zb_v", "dualpipe_v")
 _RECOMPUTE = (Recompute.none, Recompute.selective, Recompute.full)
+
+
+class Point(NamedTuple):
+    """One candidate as a plain tuple: what the closed-form bounds read, without building records."""
+
+    tensor_model_parallel_size: int
+    context_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    virtual_pipeline_model_parallel_size: int
+    micro_batch_size: int
+    recompute_granularity: Recompute
+    sequence_parallel: bool
+    schedule: str
+    per_stage_recompute: bool
+    num_microbatches: int
 
 
 def divisors(number: int) -> tuple[int, ...]:
@@ -62,11 +73,35 @@ def schedule_virtual_sizes(schedule: str, *, pipeline_model_parallel_size: int, 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Space:
-    """Enumerated candidates and what was pruned, by reason."""
+    """Enumerated points that pass the shape rules and what was pruned, by reason."""
 
-    candidates: tuple[Candidate, ...]
+    points: tuple[Point, ...]
     pruned: Counter
     enumerated: int
+    train: TrainSpec
+    """global_batch_size, seq_length and precision of every candidate."""
+    use_distributed_optimizer: bool = True
+
+    def candidate(self, point: Point) -> Candidate:
+        """The record of one point."""
+        parallel = ParallelSpec(
+            tensor_model_parallel_size=point.tensor_model_parallel_size,
+            pipeline_model_parallel_size=point.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=point.virtual_pipeline_model_parallel_size,
+            context_parallel_size=point.context_parallel_size, data_parallel_size=point.data_parallel_size,
+            sequence_parallel=point.sequence_parallel, use_distributed_optimizer=self.use_distributed_optimizer,
+        )
+        train = self.train
+        spec = TrainSpec(micro_batch_size=point.micro_batch_size, global_batch_size=train.global_batch_size,
+                         seq_length=train.seq_length, recompute_granularity=point.recompute_granularity,
+                         precision=train.precision)
+        return Candidate(parallel=parallel, train=spec, schedule=point.schedule,
+                         per_stage_recompute=point.per_stage_recompute)
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """Every point as a Candidate (built on each access)."""
+        return tuple(self.candidate(point) for point in self.points)
 
 
 def _values(fixed: Mapping[str, object], name: str, default: tuple) -> tuple:
@@ -112,7 +147,7 @@ def enumerate_candidates(
     options: SearchOptions = SearchOptions(),
     use_distributed_optimizer: bool = True,
 ) -> Space:
-    """All candidates that pass the closed-form rules; ``fixed`` pins dimensions by name.
+    """All points that pass the closed-form rules; ``fixed`` pins dimensions by name.
 
     ``train`` supplies global_batch_size, seq_length and precision; its micro_batch_size and
     recompute_granularity are used only when fixed.
@@ -121,23 +156,26 @@ def enumerate_candidates(
     _check_fixed(fixed)
     world = cluster.num_gpus
     pruned: Counter = Counter()
-    out: list[Candidate] = []
+    out: list[Point] = []
     enumerated = 0
     for tp in _tp_values(model, cluster, fixed, options):
+        tp_ok = _tp_ok(tp, model, cluster, options)
         for cp in _cp_values(train.seq_length, fixed, options):
+            shape_ok = tp_ok and not (cp > 1 and train.seq_length % (2 * cp))
             for pp in _pp_values(world, tp * cp, model, fixed, options):
                 dp = world // (tp * cp * pp)
-                for cand in _inner(model=model, train=train, fixed=fixed, options=options, tp=tp, cp=cp, pp=pp,
-                                   dp=dp, use_distributed_optimizer=use_distributed_optimizer):
+                for point in _inner(model=model, train=train, fixed=fixed, options=options, tp=tp, cp=cp, pp=pp,
+                                    dp=dp):
                     enumerated += 1
-                    reason = cand if isinstance(cand, str) else _shape_reason(cand, model, cluster, options)
+                    reason = point if isinstance(point, str) else _shape_reason(point, shape_ok, model)
                     if reason:
                         pruned[reason] += 1
                     else:
-                        out.append(cand)
+                        out.append(point)
     if not enumerated:
         raise ConfigError(_no_fit_message(world, fixed))
-    return Space(candidates=tuple(out), pruned=pruned, enumerated=enumerated)
+    return Space(points=tuple(out), pruned=pruned, enumerated=enumerated, train=train,
+                 use_distributed_optimizer=use_distributed_optimizer)
 
 
 def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
@@ -155,11 +193,11 @@ def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options
     return values
 
 
-def _inner(*, model, train, fixed, options, tp, cp, pp, dp, use_distributed_optimizer) -> Iterator[Candidate | str]:
+def _inner(*, model, train, fixed, options, tp, cp, pp, dp) -> Iterator[Point | str]:
     schedules = _values(fixed, "schedule", SCHEDULES if pp > 1 else ("1f1b",))
     mbs_values = _values(fixed, "micro_batch_size", options.micro_batch_sizes)
-    recomputes = _values(fixed, "recompute_granularity", _RECOMPUTE)
-    sps = _values(fixed, "sequence_parallel", (False, True) if tp > 1 else (False,))
+    recomputes = tuple(Recompute(value) for value in _values(fixed, "recompute_granularity", _RECOMPUTE))
+    sps = tuple(bool(sp) for sp in _values(fixed, "sequence_parallel", (False, True) if tp > 1 else (False,)))
     for schedule in schedules:
         vps = schedule_virtual_sizes(schedule, pipeline_model_parallel_size=pp,
                                      max_virtual=options.max_virtual_pipeline_model_parallel_size)
@@ -168,43 +206,29 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, use_distributed_opti
             vps = (vp,) if vp in vps or "schedule" in fixed else ()
         for vp in vps:
             for mbs in mbs_values:
-                if train.global_batch_size % (int(mbs) * dp):
+                mbs = int(mbs)
+                if train.global_batch_size % (mbs * dp):
                     yield "microbatches"
                     continue
+                m = train.global_batch_size // (mbs * dp)
                 per_stage = (options.per_stage_recompute and vp == 1 and pp > 1
                              and "recompute_granularity" not in fixed)
                 for recompute in (*recomputes, "per_stage") if per_stage else recomputes:
+                    adaptive = recompute == "per_stage"
+                    granularity = Recompute.none if adaptive else recompute
                     for sp in sps:
-                        parallel = ParallelSpec(
-                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp,
-                            data_parallel_size=dp, sequence_parallel=bool(sp),
-                            use_distributed_optimizer=use_distributed_optimizer,
-                        )
-                        spec = TrainSpec(
-                            micro_batch_size=int(mbs), global_batch_size=train.global_batch_size,
-                            seq_length=train.seq_length,
-                            recompute_granularity=Recompute.none if recompute == "per_stage" else Recompute(recompute),
-                            precision=train.precision,
-                        )
-                        yield Candidate(parallel=parallel, train=spec, schedule=schedule,
-                                        per_stage_recompute=recompute == "per_stage")
+                        yield Point(tp, cp, pp, dp, vp, mbs, granularity, sp, schedule, adaptive, m)
 
 
-def _shape_reason(cand: Candidate, model: ModelSpec, cluster: ClusterSpec, options: SearchOptions) -> str:
-    par = cand.parallel
-    tp, pp, vp, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                      par.virtual_pipeline_model_parallel_size, par.context_parallel_size)
-    if not _tp_ok(tp, model, cluster, options):
+def _shape_reason(point: Point, shape_ok: bool, model: ModelSpec) -> str:
+    """Megatron's shape rules; ``shape_ok`` holds the TP and CP ones, which depend on the point's sizes only."""
+    pp = point.pipeline_model_parallel_size
+    if not shape_ok or pp * point.virtual_pipeline_model_parallel_size > model.num_layers:
         return "divisibility"
-    if cp > 1 and cand.train.seq_length % (2 * cp):
-        return "divisibility"
-    if pp * vp > model.num_layers:
-        return "divisibility"
-    m = cand.num_microbatches
-    if cand.schedule == "interleaved_1f1b" and (m < pp or m % pp):
+    m, schedule = point.num_microbatches, point.schedule
+    if schedule == "interleaved_1f1b" and (m < pp or m % pp):
         return "microbatches"
-    if cand.schedule in _V_SHAPED and m < 2 * pp:
+    if schedule in _V_SHAPED and m < 2 * pp:
         return "microbatches"
     return ""
 

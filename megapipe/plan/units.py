@@ -1,0 +1,69 @@
+"""The cost model's distinct pipeline units per candidate, shared across data-parallel sizes.
+
+:func:`megapipe.cost.layer_costs` costs one decoder (and one MTP) layer and repeats it, so
+bounds only need the units of a one-layer model, each with its repeat count. A unit's times
+and activation bytes depend on (TP, SP, CP, micro-batch, recompute, sequence), and whether
+the last stage holds the output weight on PP > 1; the data-parallel size enters only
+``static_bytes = param_count x bytes_per_parameter`` (the distributed optimizer's shards),
+which is recomputed here with the same product, so every number equals the full profile's
+(tests/test_plan_bounds.py). Sums over the expanded profile are taken in its order with the
+built-in ``sum``, so they are the very sums of the full profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import chain, repeat
+
+from megapipe import cost
+from megapipe.cost.params import bytes_per_parameter
+from megapipe.plan.records import Candidate
+from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec
+
+__all__ = ["UnitCosts", "repeated_sum"]
+
+
+def repeated_sum(values, counts) -> float:
+    """``sum`` over each value repeated its count, in order: the sum over the expanded sequence."""
+    return sum(chain.from_iterable(map(repeat, values, counts)))
+
+
+class UnitCosts:
+    """Unit costs of one (model, cluster), costed once per layer key and GPU and priced per DP size."""
+
+    def __init__(self, *, model: ModelSpec, cluster: ClusterSpec):
+        self.model = model
+        self.cluster = cluster
+        self._unit_model = dataclasses.replace(model, num_layers=1, mtp_num_layers=min(model.mtp_num_layers, 1))
+        self._timed: dict[tuple, tuple[LayerCost, ...]] = {}
+        self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = {}
+
+    def runs(self, cand: Candidate, gpu: GpuSpec) -> tuple[tuple[LayerCost, ...], tuple[int, ...]]:
+        """(units, repeat counts) in profile order: embedding, decoder, [mtp], output."""
+        par = cand.parallel
+        key = cand.layer_key + (par.data_parallel_size, par.pipeline_model_parallel_size > 1,
+                                par.use_distributed_optimizer, gpu.name)
+        found = self._priced.get(key)
+        if found is None:
+            units = self._timed_units(cand, gpu)
+            per_param = bytes_per_parameter(precision=cand.train.precision, parallel=par)
+            units = tuple(dataclasses.replace(unit, static_bytes=unit.param_count * per_param) for unit in units)
+            counts = {LayerKind.decoder: self.model.num_layers, LayerKind.mtp: self.model.mtp_num_layers}
+            found = (units, tuple(counts.get(unit.kind, 1) for unit in units))
+            self._priced[key] = found
+        return found
+
+    def layers(self, cand: Candidate, gpu: GpuSpec) -> tuple[LayerCost, ...]:
+        """The profile's entries (names aside), each unit repeated by reference."""
+        units, counts = self.runs(cand, gpu)
+        return tuple(chain.from_iterable(map(repeat, units, counts)))
+
+    def _timed_units(self, cand: Candidate, gpu: GpuSpec) -> tuple[LayerCost, ...]:
+        par = cand.parallel
+        key = cand.layer_key + (par.pipeline_model_parallel_size > 1, gpu.name)
+        found = self._timed.get(key)
+        if found is None:
+            found = cost.layer_costs(model=self._unit_model, gpu=gpu, cluster=self.cluster, parallel=par,
+                                     train=cand.train).layers
+            self._timed[key] = found
+        return found
