@@ -12,7 +12,8 @@ At each ``forward-backward`` stop the step's intervals become a
 ranks of the pipeline group exchange one fixed-size float row with a single
 ``all_gather`` (every rank reaches that stop, so every rank calls it), and the
 hook publishes a :class:`HookReport`: per-stage compute and spread, measured
-bubble, the simulator's bubble from the measured stage times, and the plan's.
+bubble, the simulator's bubble and step from the measured stage times and
+per-op dispatch overhead, and the plan's bubble.
 
 Faults: an exception inside the hook is logged once and recording stops on that
 rank; the next gather carries a fault flag, and every rank then restores the
@@ -357,8 +358,10 @@ def attach(
     record (anything with ``bubble_fraction``). ``schedule``: a megapipe schedule name for the simulator (default:
     what megatron-core runs, 1f1b or interleaved_1f1b). ``p2p_latency_ms``: one
     p2p message's cost for the simulator (e.g. the link latency plus
-    activation bytes / bandwidth; 0 models compute only). ``timing``: auto, host
-    (perf_counter) or cuda_events.
+    activation bytes / bandwidth; settable later as ``hook.p2p_latency_ms``). The
+    simulator also charges every op the dispatch overhead the hook measures
+    (:mod:`megapipe.monitor.predict`). ``timing``: auto, host (perf_counter) or
+    cuda_events.
     """
     items = models if isinstance(models, (list, tuple)) else [models]
     configs: list[Any] = []
