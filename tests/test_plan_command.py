@@ -92,3 +92,24 @@ def test_submitit_launcher_composes():
                       return_hydra_config=True)
     assert "submitit" in cfg.hydra.launcher._target_.lower()
     assert os.path.isdir(conf_dir())
+
+
+def test_plan_megatron_schedules_only(tmp_path, capsys):
+    """search.megatron_schedules_only keeps the schedules megatron-core runs; a pinned other schedule is refused."""
+    setting = "search.megatron_schedules_only=true"
+    assert main(["plan", *TINY, setting, f"output.dir={tmp_path}", "output.format=json",
+                 "output.pictures=false"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {plan["schedule"] for plan in summary["plans"]} <= {"1f1b", "interleaved_1f1b"}
+    assert main(["plan", *TINY, setting, "schedule=zb_h1", f"output.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "megatron_schedules_only" in err[0]
+
+
+def test_plan_table_shows_megatron_schedule_warnings(tmp_path, capsys):
+    assert main(["plan", *TINY, "schedule=zb_h1", "parallel.pipeline_model_parallel_size=2", f"output.dir={tmp_path}",
+                 "output.pictures=false"]) == 0
+    text = capsys.readouterr().out
+    assert "warning: megatron-core has no zb_h1 schedule" in text
+    doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert all(any("no zb_h1 schedule" in w for w in plan["warnings"]) for plan in doc["plans"])

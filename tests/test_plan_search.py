@@ -153,3 +153,31 @@ def test_mixed_cluster_places_gpu_types_and_beats_equal_split():
     par = best.parallel
     assert len(placements(mixed, par)) == 2
     assert placements(mixed, dataclasses.replace(par, pipeline_model_parallel_size=1, data_parallel_size=2)) == ()
+
+
+def test_megatron_schedules_only_equals_brute_force_over_those_schedules(brute):
+    plans, _ = brute
+    runnable = [plan for plan in plans if plan.schedule in ("1f1b", "interleaved_1f1b")]
+    expected = rank_plans(runnable, objective="throughput", top_k=5)
+    options = dataclasses.replace(OPTIONS, megatron_schedules_only=True)
+    result = search(model=SMALL, cluster=cluster(), train=TRAIN, options=options)
+    assert [p.key for p in result.plans] == [p.key for p in expected]
+    assert not any("megatron-core has no" in w for plan in result.plans for w in plan.warnings)
+    with pytest.raises(ConfigError, match="megatron_schedules_only"):
+        search(model=SMALL, cluster=cluster(), train=TRAIN, options=options, fixed={"schedule": "zb_h1"})
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "zb_v"])
+def test_plans_carry_megatron_schedule_warnings(schedule):
+    """Every ranked plan (and so the JSON and plan.yaml) says Megatron will not run the schedule as planned."""
+    from megapipe.plan.document import json_summary, plan_document
+
+    result = search(model=SMALL, cluster=cluster(), train=TRAIN, options=OPTIONS,
+                    fixed={"schedule": schedule, "pipeline_model_parallel_size": 2})
+    runs = "interleaved 1F1B" if schedule == "zb_v" else "1F1B"
+    for plan in result.plans:
+        assert f"megatron-core has no {schedule} schedule; Megatron will run this layout with {runs}" in plan.warnings
+        assert any("V-shaped placement" in w for w in plan.warnings) == (schedule == "zb_v")
+    document = plan_document(result=result, model=SMALL, cluster=cluster(), inputs={})
+    for plan in [document["best"], *document["plans"], *json_summary(result)["plans"]]:
+        assert any(f"no {schedule} schedule" in w for w in plan["warnings"])

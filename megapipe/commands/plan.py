@@ -49,6 +49,7 @@ def search_options(cfg: DictConfig) -> SearchOptions:
         ignore_memory_limit=bool(node.get("ignore_memory_limit")),
         max_pipeline_model_parallel_size=node.get("max_pipeline_model_parallel_size"),
         per_stage_recompute=bool(node.get("per_stage_recompute")),
+        megatron_schedules_only=bool(node.get("megatron_schedules_only")),
         total_tokens=float(cfg.train.get("total_tokens") or 2e12),
     )
 
@@ -215,6 +216,10 @@ def print_plans(result: SearchResult, *, directory: str) -> None:
     console.print(f"layout: {best.layout}")
     for warning in best.warnings:
         console.print(f"warning: {warning}")
+    for index, plan in enumerate(result.plans[1:], start=2):  # the others' in short: what Megatron will not run
+        for warning in plan.warnings:
+            if warning.startswith("megatron-core has no"):
+                console.print(f"#{index} warning: {warning}")
     if result.baseline is not None:
         gain = best.tokens_per_s / result.baseline.tokens_per_s - 1
         console.print(f"gain over equal split: {gain:+.1%}")

@@ -159,6 +159,8 @@ class SearchConfig:
     max_pipeline_model_parallel_size: Optional[int] = None
     per_stage_recompute: bool = False
     """Also search per-stage recompute (AdaPipe): each pipeline rank picks none/selective/full with the split."""
+    megatron_schedules_only: bool = False
+    """Search only 1f1b and interleaved_1f1b, the schedules megatron-core runs (others plan with a warning)."""
     drift_threshold: float = 0.1
     """Relative difference between measured and predicted figures that triggers a warning."""
     min_gain: float = 0.02

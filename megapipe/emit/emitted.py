@@ -12,7 +12,7 @@ from megapipe.errors import ConfigError
 from megapipe.layout import format_layout, parse_layout
 from megapipe.records import LayerKind, ParallelSpec, Partition, TrainSpec
 
-__all__ = ["Emitted", "emit"]
+__all__ = ["Emitted", "emit", "megatron_schedule_warnings", "MEGATRON_SCHEDULES"]
 
 MEGATRON_SCHEDULES = ("1f1b", "interleaved_1f1b")
 """What megatron-core 0.16-0.19 ``get_forward_backward_func()`` runs for pipeline_model_parallel_size > 1."""
@@ -113,18 +113,25 @@ def _nemo1_warnings(stage_kinds: StageKinds, parallel: ParallelSpec) -> list[str
     return warnings
 
 
-def _schedule_warnings(partition: Partition) -> list[str]:
-    schedule = partition.schedule
-    if schedule in MEGATRON_SCHEDULES or partition.pipeline_model_parallel_size == 1:
-        return []
-    runs = "interleaved 1F1B" if partition.virtual_pipeline_model_parallel_size > 1 else "1F1B"
+def megatron_schedule_warnings(*, schedule: str, pipeline_model_parallel_size: int,
+                               virtual_pipeline_model_parallel_size: int) -> tuple[str, ...]:
+    """What Megatron runs instead of a schedule megatron-core lacks, and a V placement its layout cannot express."""
+    if schedule in MEGATRON_SCHEDULES or pipeline_model_parallel_size == 1:
+        return ()
+    runs = "interleaved 1F1B" if virtual_pipeline_model_parallel_size > 1 else "1F1B"
     warnings = [f"megatron-core has no {schedule} schedule; Megatron will run this layout with {runs}"]
     if schedule in _V_SHAPED:
         warnings.append(
             f"the {schedule} V-shaped placement (rank r holds stages r and 2P-1-r) cannot be expressed: "
             "Megatron's layout puts stage s on rank s mod pipeline_model_parallel_size"
         )
-    return warnings
+    return tuple(warnings)
+
+
+def _schedule_warnings(partition: Partition) -> list[str]:
+    return list(megatron_schedule_warnings(
+        schedule=partition.schedule, pipeline_model_parallel_size=partition.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=partition.virtual_pipeline_model_parallel_size))
 
 
 def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec) -> Emitted:

@@ -2,7 +2,10 @@
 
 Step time = pipeline + exposed DP sync + optimizer step. MFU (Chowdhery et al. 2022, PaLM
 App. B; Narayanan et al. 2021 eq. 3): model FLOPs per token times tokens/s over the sum of the
-GPUs' dense bf16 peaks. Memory spread is (max - min) / mean of the per-rank peaks, memory CV
+GPUs' dense bf16 peaks. Warnings: the hazards of :mod:`megapipe.plan.warnings`, then what the
+emitters warn about the schedule (megatron-core runs only 1F1B and interleaved 1F1B, and its
+layout cannot place V-shaped stages), so every ranked plan says whether Megatron runs it as
+planned. Memory spread is (max - min) / mean of the per-rank peaks, memory CV
 the population standard deviation over the mean.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from megapipe.emit.emitted import megatron_schedule_warnings
 from megapipe.plan.money import cost_per_million_tokens, training_cost
 from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.warnings import plan_warnings
@@ -45,6 +49,9 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
         train = dataclasses.replace(train, recompute_granularity=Recompute(strongest))
         warnings += (f"per-stage recompute {'/'.join(stage_recompute)}: Megatron applies one setting to every "
                      f"stage, so the emitted flags use recompute_granularity={strongest} (fits, runs slower)",)
+    warnings += megatron_schedule_warnings(
+        schedule=cand.schedule, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
     return Plan(
         parallel=par, train=train, schedule=cand.schedule, num_microbatches=cand.num_microbatches,
         layers_per_stage=decoder_counts, layout=part.layout, method=part.method, pipeline_ms=sim.step_time_ms,

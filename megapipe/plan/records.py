@@ -31,6 +31,8 @@ class SearchOptions:
     max_virtual_pipeline_model_parallel_size: int = 4
     per_stage_recompute: bool = False
     """Also try, per layout with one chunk per rank, a recompute setting per pipeline rank (AdaPipe)."""
+    megatron_schedules_only: bool = False
+    """Search only the schedules megatron-core runs (1f1b, interleaved_1f1b)."""
     context_parallel_min_seq_length: int = 16384
     """Context parallelism is searched only from this sequence length up (ring attention pays off)."""
     total_tokens: float = 2.0e12

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from megapipe.emit.emitted import MEGATRON_SCHEDULES
 from megapipe.errors import ConfigError
 from megapipe.plan.records import SCHEDULES, Candidate, SearchOptions
 from megapipe.records import SEARCH_DIMENSIONS, ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
@@ -108,13 +109,16 @@ def _values(fixed: Mapping[str, object], name: str, default: tuple) -> tuple:
     return (fixed[name],) if name in fixed else default
 
 
-def _check_fixed(fixed: Mapping[str, object]) -> None:
+def _check_fixed(fixed: Mapping[str, object], options: SearchOptions) -> None:
     unknown = set(fixed) - set(DIMENSIONS) - {"data_parallel_size"}
     if unknown:
         raise ConfigError(f"cannot fix {sorted(unknown)}; searchable dimensions are {list(DIMENSIONS)}")
     schedule = fixed.get("schedule")
     if schedule is not None and schedule not in SCHEDULES:
         raise ConfigError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)} or all")
+    if schedule is not None and options.megatron_schedules_only and schedule not in MEGATRON_SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} with search.megatron_schedules_only=true: megatron-core runs only "
+                          f"{' and '.join(MEGATRON_SCHEDULES)}; pick one of them or set the option false")
 
 
 def _tp_values(model: ModelSpec, cluster: ClusterSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
@@ -153,7 +157,7 @@ def enumerate_candidates(
     recompute_granularity are used only when fixed.
     """
     fixed = dict(fixed or {})
-    _check_fixed(fixed)
+    _check_fixed(fixed, options)
     world = cluster.num_gpus
     pruned: Counter = Counter()
     out: list[Point] = []
@@ -194,7 +198,8 @@ def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options
 
 
 def _inner(*, model, train, fixed, options, tp, cp, pp, dp) -> Iterator[Point | str]:
-    schedules = _values(fixed, "schedule", SCHEDULES if pp > 1 else ("1f1b",))
+    searched = MEGATRON_SCHEDULES if options.megatron_schedules_only else SCHEDULES
+    schedules = _values(fixed, "schedule", searched if pp > 1 else ("1f1b",))
     mbs_values = _values(fixed, "micro_batch_size", options.micro_batch_sizes)
     recomputes = tuple(Recompute(value) for value in _values(fixed, "recompute_granularity", _RECOMPUTE))
     sps = tuple(bool(sp) for sp in _values(fixed, "sequence_parallel", (False, True) if tp > 1 else (False,)))
