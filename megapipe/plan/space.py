@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megapipe.emit.emitted import MEGATRON_SCHEDULES
@@ -82,20 +82,28 @@ class Space:
     train: TrainSpec
     """global_batch_size, seq_length and precision of every candidate."""
     use_distributed_optimizer: bool = True
+    _records: dict = field(default_factory=dict, compare=False, repr=False)
+    """ParallelSpec and TrainSpec records already built, by their fields: points share them."""
 
     def candidate(self, point: Point) -> Candidate:
         """The record of one point."""
-        parallel = ParallelSpec(
-            tensor_model_parallel_size=point.tensor_model_parallel_size,
-            pipeline_model_parallel_size=point.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=point.virtual_pipeline_model_parallel_size,
-            context_parallel_size=point.context_parallel_size, data_parallel_size=point.data_parallel_size,
-            sequence_parallel=point.sequence_parallel, use_distributed_optimizer=self.use_distributed_optimizer,
-        )
-        train = self.train
-        spec = TrainSpec(micro_batch_size=point.micro_batch_size, global_batch_size=train.global_batch_size,
-                         seq_length=train.seq_length, recompute_granularity=point.recompute_granularity,
-                         precision=train.precision)
+        parallel_key, train_key = point[:5] + point[7:8], point[5:7]
+        parallel = self._records.get(parallel_key)
+        if parallel is None:
+            parallel = self._records[parallel_key] = ParallelSpec(
+                tensor_model_parallel_size=point.tensor_model_parallel_size,
+                pipeline_model_parallel_size=point.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=point.virtual_pipeline_model_parallel_size,
+                context_parallel_size=point.context_parallel_size, data_parallel_size=point.data_parallel_size,
+                sequence_parallel=point.sequence_parallel, use_distributed_optimizer=self.use_distributed_optimizer,
+            )
+        spec = self._records.get(train_key)
+        if spec is None:
+            train = self.train
+            spec = self._records[train_key] = TrainSpec(
+                micro_batch_size=point.micro_batch_size, global_batch_size=train.global_batch_size,
+                seq_length=train.seq_length, recompute_granularity=point.recompute_granularity,
+                precision=train.precision)
         return Candidate(parallel=parallel, train=spec, schedule=point.schedule,
                          per_stage_recompute=point.per_stage_recompute)
 

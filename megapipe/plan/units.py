@@ -47,7 +47,9 @@ class UnitCosts:
         if found is None:
             units = self._timed_units(cand, gpu)
             per_param = bytes_per_parameter(precision=cand.train.precision, parallel=par)
-            units = tuple(dataclasses.replace(unit, static_bytes=unit.param_count * per_param) for unit in units)
+            units = tuple(LayerCost(name=unit.name, kind=unit.kind, fwd_ms=unit.fwd_ms, bwd_ms=unit.bwd_ms,
+                                    wgrad_ms=unit.wgrad_ms, static_bytes=unit.param_count * per_param,
+                                    act_bytes=unit.act_bytes, param_count=unit.param_count) for unit in units)
             counts = {LayerKind.decoder: self.model.num_layers, LayerKind.mtp: self.model.mtp_num_layers}
             found = (units, tuple(counts.get(unit.kind, 1) for unit in units))
             self._priced[key] = found
