@@ -16,7 +16,6 @@ the sum of the GPUs' dense bf16 peaks.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from megapipe import cost, partition, schedules
