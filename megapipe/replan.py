@@ -39,7 +39,7 @@ from megapipe.partition import evaluate, solve
 from megapipe.profile.format import Profile
 from megapipe.records import LayerCost, Partition, StageSpec
 from megapipe.schedules import build
-from megapipe.simulate import P2PCost, StageTimes, simulate
+from megapipe.simulate import P2PCost, simulate, stage_times
 
 __all__ = ["MONITOR_FORMAT", "ATTRIBUTIONS", "MeasuredRun", "Replan", "measured_run", "stage_entries",
            "kind_factors", "attribute_times", "attribute_memory", "replan"]
@@ -267,15 +267,8 @@ def attribute_memory(profile: Profile, *, old: Partition, rank_peak_bytes: Seque
 
 
 def _step_ms(profile: Profile, part: Partition, stages: Sequence[StageSpec], schedule, p2p: P2PCost) -> float:
-    sums = {name: [] for name in ("fwd_ms", "bwd_ms", "wgrad_ms", "act_bytes")}
-    start = 0
-    for stage, count in enumerate(part.layers_per_stage):
-        chunk = profile.layers[start:start + count]
-        start += count
-        scale = stages[schedule.stage_to_rank[stage]].time_scale
-        for name, values in sums.items():
-            values.append((1.0 if name == "act_bytes" else scale) * math.fsum(getattr(e, name) for e in chunk))
-    times = StageTimes(**{name: tuple(values) for name, values in sums.items()})
+    times = stage_times(layers=profile.layers, layers_per_stage=part.layers_per_stage,
+                        stage_to_rank=schedule.stage_to_rank, specs=stages)
     return simulate(schedule, times, p2p=p2p).step_time_ms
 
 

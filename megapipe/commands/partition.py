@@ -23,6 +23,7 @@ from megapipe.profile.match import match_profile
 from megapipe.records import LayerKind, Partition, StageSpec
 from megapipe.schedules import build
 from megapipe.simulate import P2PCost, SimResult, StageTimes, simulate
+from megapipe.simulate import inputs as simulate_inputs
 from megapipe.stages import stage_specs
 
 __all__ = ["run", "setup_profile", "stage_times", "pipeline_p2p"]
@@ -45,26 +46,14 @@ def setup_profile(setup: Setup) -> Profile:
 
 def stage_times(profile: Profile, part: Partition, specs: tuple[StageSpec, ...], stage_to_rank) -> StageTimes:
     """Per layout stage F, B, W (scaled by the rank's time_scale) and activation bytes."""
-    sums = {name: [] for name in ("fwd_ms", "bwd_ms", "wgrad_ms", "act_bytes")}
-    start = 0
-    for stage, count in enumerate(part.layers_per_stage):
-        chunk = profile.layers[start:start + count]
-        start += count
-        scale = specs[stage_to_rank[stage]].time_scale
-        for name, values in sums.items():
-            factor = 1.0 if name == "act_bytes" else scale
-            values.append(factor * sum(getattr(layer, name) for layer in chunk))
-    return StageTimes(**{name: tuple(values) for name, values in sums.items()})
+    return simulate_inputs.stage_times(layers=profile.layers, layers_per_stage=part.layers_per_stage,
+                                       stage_to_rank=stage_to_rank, specs=specs)
 
 
 def pipeline_p2p(setup: Setup) -> P2PCost:
-    """Pipeline neighbours are TP*CP*DP ranks apart (Megatron's rank order); across nodes use the inter-node link."""
-    par = setup.parallel
-    stride = par.tensor_model_parallel_size * par.context_parallel_size * par.data_parallel_size
-    gpn = setup.cluster.gpus_per_node
-    crosses = any((r * stride) // gpn != ((r + 1) * stride) // gpn for r in range(par.pipeline_model_parallel_size - 1))
-    link = setup.cluster.inter_node if crosses else setup.cluster.intra_node
-    return P2PCost.from_link(link, p2p_bytes=cost.p2p_bytes(model=setup.model, parallel=par, train=setup.train))
+    """The configured model's message between pipeline neighbours on the configured cluster."""
+    return simulate_inputs.p2p_cost(model=setup.model, cluster=setup.cluster, parallel=setup.parallel,
+                                    train=setup.train)
 
 
 def _solve_and_simulate(setup: Setup, profile: Profile, specs, *, method: str) -> tuple[Partition, SimResult]:

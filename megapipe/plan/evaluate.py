@@ -27,8 +27,8 @@ from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
 from megapipe.plan.units import UnitCosts, repeated_sum
 from megapipe.profile.format import Profile
-from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, LinkSpec, ModelSpec, Partition, StageSpec
-from megapipe.simulate import P2PCost, StageTimes, simulate
+from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec, Partition, StageSpec
+from megapipe.simulate import StageTimes, p2p_cost, pipeline_link, simulate, stage_times
 
 __all__ = ["Bound", "Evaluator", "Prepared", "pipeline_link", "GIB"]
 
@@ -82,16 +82,6 @@ class Bound:
     step_ms: float
     memory_bytes: float
     """The fullest rank holds at least the mean: (static + one microbatch of activations) / PP."""
-
-
-def pipeline_link(*, cluster: ClusterSpec, stride: int, pipeline_model_parallel_size: int) -> LinkSpec:
-    """Megatron orders ranks tp-cp-dp-pp: pipeline neighbours are ``stride = TP*CP*DP`` GPUs apart.
-
-    If any neighbouring pair sits on different nodes, the pipeline runs at the inter-node link.
-    """
-    gpn = cluster.gpus_per_node
-    crosses = any((r * stride) // gpn != ((r + 1) * stride) // gpn for r in range(pipeline_model_parallel_size - 1))
-    return cluster.inter_node if crosses else cluster.intra_node
 
 
 class Evaluator:
@@ -373,7 +363,8 @@ class Evaluator:
         else:
             part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory)
             layers, choices = self.profile(cand).layers, ()
-        times = self._stage_times(layers, part, specs)
+        times = stage_times(layers=layers, layers_per_stage=part.layers_per_stage, stage_to_rank=part.stage_to_rank,
+                            specs=specs)
         sums = self._rank_sums(cand, layers, part, times, gpus)
         floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=part.stage_to_rank, fwd_ms=times.fwd_ms,
                                   bwd_ms=times.bwd_ms, num_microbatches=cand.num_microbatches)
@@ -383,34 +374,14 @@ class Evaluator:
     def finish(self, prepared: Prepared) -> Plan:
         """Simulate a prepared candidate's schedule and price the plan; raises ScheduleError."""
         cand = prepared.cand
-        sim = simulate(self.schedule(cand), prepared.times, p2p=self._p2p(cand))
+        p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
+        sim = simulate(self.schedule(cand), prepared.times, p2p=p2p)
         return self._plan(prepared, sim)
 
     def evaluate(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
                  check_memory: bool | None = None) -> Plan:
         """Partition, simulate and price one candidate; raises InfeasibleError / ScheduleError."""
         return self.finish(self.prepare(cand, method=method, gpus=gpus, check_memory=check_memory))
-
-    @staticmethod
-    def _stage_times(layers, part: Partition, specs) -> StageTimes:
-        fwd, bwd, wgrad, act = [], [], [], []
-        start = 0
-        for stage, count in enumerate(part.layers_per_stage):
-            scale = specs[part.stage_to_rank[stage]].time_scale
-            chunk = layers[start:start + count]
-            start += count
-            fwd.append(scale * sum(layer.fwd_ms for layer in chunk))
-            bwd.append(scale * sum(layer.bwd_ms for layer in chunk))
-            wgrad.append(scale * sum(layer.wgrad_ms for layer in chunk))
-            act.append(sum(layer.act_bytes for layer in chunk))
-        return StageTimes(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), wgrad_ms=tuple(wgrad), act_bytes=tuple(act))
-
-    def _p2p(self, cand: Candidate) -> P2PCost:
-        par = cand.parallel
-        stride = par.tensor_model_parallel_size * par.context_parallel_size * par.data_parallel_size
-        link = pipeline_link(cluster=self.cluster, stride=stride,
-                             pipeline_model_parallel_size=par.pipeline_model_parallel_size)
-        return P2PCost.from_link(link, p2p_bytes=cost.p2p_bytes(model=self.model, parallel=par, train=cand.train))
 
     def _rank_sums(self, cand: Candidate, layers, part: Partition, times: StageTimes, gpus) -> _RankSums:
         par, train = cand.parallel, cand.train

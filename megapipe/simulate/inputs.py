@@ -1,0 +1,56 @@
+"""What the simulator needs from a partition and a cluster: per-stage op times and the p2p cost.
+
+:func:`stage_times` sums each layout stage's layer costs (:class:`megapipe.records.LayerCost`)
+and scales the times by its rank's ``StageSpec.time_scale``; :func:`pipeline_link` and
+:func:`p2p_cost` price one message between pipeline neighbours from Megatron's rank order
+(``RankGenerator`` order ``tp-cp-ep-dp-pp``: the pipeline dimension varies slowest, so
+neighbours are ``TP * CP * DP`` ranks apart) and :func:`megapipe.cost.p2p_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megapipe import cost
+from megapipe.records import ClusterSpec, LayerCost, LinkSpec, ModelSpec, ParallelSpec, StageSpec, TrainSpec
+from megapipe.simulate.records import P2PCost, StageTimes
+
+__all__ = ["stage_times", "pipeline_link", "p2p_cost"]
+
+
+def stage_times(*, layers: Sequence[LayerCost], layers_per_stage: Sequence[int], stage_to_rank: Sequence[int],
+                specs: Sequence[StageSpec]) -> StageTimes:
+    """Per layout stage: F, B, W of its layers times its rank's ``time_scale``, and its activation bytes.
+
+    ``layers_per_stage`` counts consecutive entries of ``layers`` (a ``Partition``'s split);
+    ``stage_to_rank`` maps each layout stage to the pipeline rank whose ``specs`` entry applies.
+    """
+    fwd, bwd, wgrad, act = [], [], [], []
+    start = 0
+    for stage, count in enumerate(layers_per_stage):
+        scale = specs[stage_to_rank[stage]].time_scale
+        chunk = layers[start:start + count]
+        start += count
+        fwd.append(scale * sum(layer.fwd_ms for layer in chunk))
+        bwd.append(scale * sum(layer.bwd_ms for layer in chunk))
+        wgrad.append(scale * sum(layer.wgrad_ms for layer in chunk))
+        act.append(sum(layer.act_bytes for layer in chunk))
+    return StageTimes(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), wgrad_ms=tuple(wgrad), act_bytes=tuple(act))
+
+
+def pipeline_link(*, cluster: ClusterSpec, stride: int, pipeline_model_parallel_size: int) -> LinkSpec:
+    """The link pipeline neighbours use: ranks ``stride = TP*CP*DP`` apart in Megatron's order.
+
+    If any neighbouring pair sits on different nodes, the pipeline runs at the inter-node link.
+    """
+    gpn = cluster.gpus_per_node
+    crosses = any((r * stride) // gpn != ((r + 1) * stride) // gpn for r in range(pipeline_model_parallel_size - 1))
+    return cluster.inter_node if crosses else cluster.intra_node
+
+
+def p2p_cost(*, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec) -> P2PCost:
+    """One activation (or gradient) message between pipeline neighbours on ``cluster``."""
+    stride = parallel.tensor_model_parallel_size * parallel.context_parallel_size * parallel.data_parallel_size
+    link = pipeline_link(cluster=cluster, stride=stride,
+                         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
+    return P2PCost.from_link(link, p2p_bytes=cost.p2p_bytes(model=model, parallel=parallel, train=train))
