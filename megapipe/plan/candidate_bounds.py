@@ -1,0 +1,253 @@
+"""Closed-form lower bounds of one candidate, over every partition: the half of the Evaluator the search prunes with.
+
+:class:`CandidateBounds` is the base class of :class:`megapipe.plan.evaluate.Evaluator`: it
+bounds the step time (:meth:`~CandidateBounds.bound`), the fullest rank's memory
+(:meth:`~CandidateBounds.memory_bound`) and decides memory feasibility in closed form
+(:meth:`~CandidateBounds.split_can_fit`) from the layer costs alone, with the formulas of
+:mod:`megapipe.plan.bounds`. Its caches are keyed by what each bound depends on: the layer key
+(TP, SP, CP, micro-batch, recompute, sequence) and DP, plus the schedule's bound class where it
+enters. The host provides ``model``, ``cluster``, ``options``, ``fixed_profile``, the exact
+profile cache ``_profiles``, ``_unit_costs`` and ``stage_specs()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, stage_ranks
+from megapipe.plan.adaptive import per_stage_bound, per_stage_can_fit, per_stage_memory_bound
+from megapipe.plan.bounds import BOUND_CLASS, least_in_flight, layer_shape, split_can_fit, water_level
+from megapipe.plan.records import Candidate
+from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
+from megapipe.plan.units import repeated_sum
+from megapipe.records import GpuSpec, LayerCost, LayerKind
+
+__all__ = ["Bound", "CandidateBounds"]
+
+@dataclass(frozen=True, slots=True)
+class _Totals:
+    """Sums over a profile: what bounds need without a partition."""
+
+    fwd_ms: float
+    bwd_ms: float
+    wgrad_ms: float
+    static_bytes: float
+    act_bytes: float
+    param_count: float
+    num_decoders: int
+    decoder_min_ms: float
+    """The cheapest decoder entry's fwd_ms + bwd_ms."""
+
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bound:
+    """Lower bounds valid for every partition of a candidate."""
+
+    step_ms: float
+    memory_bytes: float
+    """The fullest rank holds at least the mean: (static + one microbatch of activations) / PP."""
+
+
+class CandidateBounds:
+    """Lower bounds valid for every partition of a candidate, cached per scenario (base of the Evaluator)."""
+
+    def _init_bound_caches(self) -> None:
+        self._totals: dict[tuple, _Totals] = {}
+        self._shapes: dict[tuple, object] = {}
+        self._units: dict[tuple, tuple[LayerCost, ...]] = {}
+        self._forward_shares: dict[tuple, float] = {}
+        self._memory_bounds: dict[tuple, float] = {}
+        self._dp_terms: dict[tuple, tuple[float, float]] = {}
+        self._layouts: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def bound_layers(self, cand: Candidate, gpu: GpuSpec | None = None) -> tuple[LayerCost, ...]:
+        """The profile's entries with the same values, for bounds: without the per-layer records.
+
+        The cost model costs one decoder (and one MTP) layer and repeats it
+        (:func:`megapipe.cost.layer_costs`), so the costs of a one-layer model, each unit repeated
+        num_layers times by reference, hold the same numbers at a fraction of the cost; every sum
+        over them is the same sum. tests/test_plan_bounds.py checks the two agree.
+        """
+        if self.fixed_profile is not None:
+            return self.fixed_profile.layers
+        gpu = gpu or self.cluster.gpu
+        key = cand.layer_key + (cand.parallel.data_parallel_size, gpu.name)
+        if key in self._profiles:
+            return self._profiles[key].layers
+        found = self._units.get(key)
+        if found is None:
+            found = self._unit_costs.layers(cand, gpu)
+            self._units[key] = found
+        return found
+
+    def totals(self, cand: Candidate) -> _Totals:
+        key = cand.layer_key + (cand.parallel.data_parallel_size,)
+        found = self._totals.get(key)
+        if found is None:
+            if self.fixed_profile is not None:
+                units, counts = self.fixed_profile.layers, (1,) * len(self.fixed_profile.layers)
+            else:
+                units, counts = self._unit_costs.runs(cand, self.cluster.gpu)
+            decoders = [(unit.fwd_ms + unit.bwd_ms, count) for unit, count in zip(units, counts)
+                        if unit.kind == LayerKind.decoder and count]
+            found = _Totals(*(repeated_sum([getattr(unit, name) for unit in units], counts) for name in
+                              ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes", "param_count")),
+                            num_decoders=sum(count for _, count in decoders),
+                            decoder_min_ms=min((ms for ms, _ in decoders), default=0.0))
+            self._totals[key] = found
+        return found
+
+
+    def bound(self, cand: Candidate, *, min_time_scale: float = 1.0) -> Bound:
+        """Closed-form lower bounds, valid for every partition of the candidate.
+
+        Pipeline: rank r cannot start before the first microbatch's forward crossed the ranks
+        before it, and runs m microbatches of its share t_r, so step >= m t_r + phi sum_{s<r} t_s,
+        where phi is the share of a rank's time that sits on that path: 1 for GPipe/1F1B (the
+        fused backward must also drain back through ranks s < r), the forward share
+        F / (F + B) of the cheapest unit for ZB-H1/H2, and 0 for interleaved and V-shaped
+        schedules. Minimising the max over ranks subject to sum t_r = T gives equal g_r,
+        t_{r+1} = q t_r with q = 1 - phi/m, hence step >= m T / sum_{r<p} q^r (the weights
+        lambda_s ~ q^(p-1-s) certify it as a bound). For balanced stages and phi = 1 this is
+        close to the (m + p - 1) T / p of Narayanan et al. 2021. Layers are whole, so some rank
+        also runs ceil(N / p) decoders m times: step >= m ceil(N / p) min_decoder(F + B).
+        DP sync: the exposed time max(0, comm_r - backward_r) is convex in the rank's
+        (parameters, backward), so its maximum over ranks is at least its value at the mean
+        rank (Jensen); the optimizer step is linear in parameters, likewise.
+        tests/test_plan_search.py checks bound <= exact over a whole search space.
+        """
+        if cand.per_stage_recompute:
+            return per_stage_bound(self, cand, min_time_scale=min_time_scale)
+        return self.bound_terms(cand, min_time_scale=min_time_scale, forward_share=self._forward_share(cand))
+
+    def bound_terms(self, cand: Candidate, *, min_time_scale: float, forward_share: float,
+                    include_sync: bool = True) -> Bound:
+        """:meth:`bound` with the zero-bubble forward share given; without the DP sync term if asked."""
+        totals = self.totals(cand)
+        par = cand.parallel
+        pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
+        total_ms = (totals.fwd_ms + totals.bwd_ms) * min_time_scale
+        phi = {"gpipe": 1.0, "1f1b": 1.0, "zb_h1": forward_share, "zb_h2": forward_share}.get(cand.schedule, 0.0)
+        ratio = 1.0 - phi / m
+        pipeline = m * total_ms / sum(ratio ** r for r in range(pp))
+        # Some rank holds ceil(N / p) decoders and runs their F + B for every microbatch in sequence.
+        fullest = m * -(-totals.num_decoders // pp) * totals.decoder_min_ms * min_time_scale
+        pipeline = max(pipeline, fullest)
+        if self.cluster.is_heterogeneous:  # per-type windows and bandwidths: keep the pipeline term only
+            return Bound(step_ms=pipeline, memory_bytes=self.memory_bound(cand))
+        optimizer, sync = self._dp_step_terms(cand, totals, include_sync)
+        return Bound(step_ms=pipeline + optimizer + sync, memory_bytes=self.memory_bound(cand))
+
+    def _dp_step_terms(self, cand: Candidate, totals: _Totals, include_sync: bool) -> tuple[float, float]:
+        """Optimizer step and exposed DP sync of the mean rank; they do not depend on VP or the schedule."""
+        par = cand.parallel
+        key = cand.layer_key + (par.data_parallel_size, include_sync)
+        found = self._dp_terms.get(key)
+        if found is None:
+            pp = par.pipeline_model_parallel_size
+            params = totals.param_count / pp
+            optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par,
+                                          precision=cand.train.precision)
+            sync = dp_sync_ms(params_per_gpu=params, precision=cand.train.precision, cluster=self.cluster,
+                              parallel=par, backward_ms=totals.bwd_ms / pp,
+                              forward_ms=totals.fwd_ms / pp) if include_sync else 0.0
+            found = self._dp_terms[key] = (optimizer, sync)
+        return found
+
+    def forward_share(self, cand: Candidate) -> float:
+        """The smallest F / (F + B) over the profile's entries."""
+        return self._forward_share(cand)
+
+    def _forward_share(self, cand: Candidate) -> float:
+        key = cand.layer_key + (cand.parallel.data_parallel_size,)
+        if key not in self._forward_shares:
+            layers = (self.fixed_profile.layers if self.fixed_profile is not None
+                      else self._unit_costs.runs(cand, self.cluster.gpu)[0])
+            self._forward_shares[key] = min((layer.fwd_ms / (layer.fwd_ms + layer.bwd_ms)
+                                             for layer in layers if layer.fwd_ms + layer.bwd_ms > 0), default=0.0)
+        return self._forward_shares[key]
+
+    def memory_bound(self, cand: Candidate) -> float:
+        """A lower bound on the fullest rank's bytes, over every split (water-filling).
+
+        Rank r keeps at least k_r microbatches of each layer it holds (closed forms below), so
+        n_r identical decoder layers cost n_r (c + k_r a); the embedding is pinned to the first
+        layout stage and the loss to the last, each with its own k. The smallest M with
+        sum_r max(0, (M - pinned_r) / (c + k_r a)) >= N is what a fluid split needs; no integer
+        split needs less.
+
+        In-flight lower bounds without building the schedule: 1F1B keeps min(p - s, m) on stage
+        s and GPipe m (Narayanan et al. 2021); ZB-H1/H2 release at W, after 1F1B's B, so they
+        hold at least as many; interleaved and V-shaped schedules are bounded by 1.
+        """
+        key = cand.layer_key + (cand.parallel.data_parallel_size, cand.num_microbatches,
+                                _memory_class(cand.schedule))
+        found = self._memory_bounds.get(key)
+        if found is None:
+            found = self._memory_bounds[key] = self._water_level(cand)
+        return found
+
+    def memory_bound_of(self, cand: Candidate) -> float:
+        """The memory term of :meth:`bound` (full recompute's for a per-stage recompute candidate)."""
+        return per_stage_memory_bound(self, cand) if cand.per_stage_recompute else self.memory_bound(cand)
+
+    def _water_level(self, cand: Candidate) -> float:
+        par = cand.parallel
+        pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
+        least = least_in_flight(cand.schedule, pp, m)
+        layers = self.bound_layers(cand)
+        decoder = next((layer for layer in layers if layer.kind == LayerKind.decoder), None)
+        if decoder is None:
+            totals = self.totals(cand)
+            return (totals.static_bytes + totals.act_bytes) / pp
+        pinned = [0.0] * pp
+        last_rank = 0 if cand.schedule in _V_SHAPED else pp - 1
+        for layer, rank in ((layers[0], 0), (layers[-1], last_rank)):
+            if layer.kind != LayerKind.decoder:
+                pinned[rank] += layer.static_bytes + least[rank] * layer.act_bytes
+        per_layer = [decoder.static_bytes + k * decoder.act_bytes for k in least]
+        return water_level(pinned, per_layer, self.model.num_layers)
+
+    def split_can_fit(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> bool:
+        """False only when the solver would find no split within memory (closed form, no solve).
+
+        Exact for the cost model's profiles (identical decoders between the embedding and the
+        loss); for any other profile it answers True and leaves the verdict to the solver.
+        """
+        if cand.per_stage_recompute:
+            return per_stage_can_fit(self, cand, gpus)
+        key = cand.layer_key + (cand.parallel.data_parallel_size,)
+        if key not in self._shapes:
+            self._shapes[key] = layer_shape(self.bound_layers(cand))
+        shape = self._shapes[key]
+        if shape is None or self.options.ignore_memory_limit:
+            return True
+        in_flight, ranks = self._layout_counts(cand)
+        specs = self.stage_specs(cand, gpus, layers_of=self.bound_layers)
+        caps = chunk_memory_caps(layers=self.bound_layers(cand), stages=specs, in_flight=in_flight, ranks=ranks)
+        return split_can_fit(shape=shape, caps=caps, in_flight=in_flight)
+
+    def _layout_counts(self, cand: Candidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Peak in-flight microbatches and pipeline rank of every layout stage."""
+        par = cand.parallel
+        pp, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+        key = (cand.schedule, pp, vp, cand.num_microbatches)
+        found = self._layouts.get(key)
+        if found is None:
+            in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
+                                         num_microbatches=key[3], virtual_pipeline_model_parallel_size=vp)
+            ranks = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+            found = self._layouts[key] = (in_flight, ranks)
+        return found
+
+
+_V_SHAPED = ("zb_v", "dualpipe_v")
+_MEMORY_CLASS = {"zero_bubble": "1f1b"}
+"""ZB-H1/H2 have 1F1B's least in-flight counts and loss placement (:func:`least_in_flight`)."""
+
+
+def _memory_class(schedule: str) -> str:
+    bound_class = BOUND_CLASS[schedule]
+    return _MEMORY_CLASS.get(bound_class, bound_class)
+
