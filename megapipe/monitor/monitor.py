@@ -16,7 +16,8 @@ Every ``log_every`` steps the ranks of the pipeline group exchange one row
 schedule hook (:func:`megapipe.monitor.attach`, created with the same period)
 gathers the per-stage compute in the same step. Rank 0 of the world logs the
 aggregates (bubble, memory spread and CV, headroom, tokens/s, TFLOP/s and MFU
-with the planner's FLOP convention, drift against the plan).
+with the planner's FLOP convention: :mod:`megapipe.monitor.aggregate`; drift
+against the plan).
 
 Faults never reach training: an exception inside the monitor (hook, sink/logger,
 gather) is logged once; the faulting rank sends an invalid row at the next
@@ -37,10 +38,11 @@ from typing import Any
 
 from megapipe.errors import ConfigError
 from megapipe.monitor import drift as drift_mod
+from megapipe.monitor.aggregate import FAULTED, ROW, VALID, columns_of, finite, flatten, pipeline_fields, rank_fields
 from megapipe.monitor.jsonl import JsonlWriter
-from megapipe.monitor.memory import sample_memory, spread
+from megapipe.monitor.memory import sample_memory
 from megapipe.monitor.run_layout import layout_string
-from megapipe.monitor.throughput import plan_rates, throughput
+from megapipe.monitor.throughput import plan_rates
 from megapipe.monitor.topology import compare_link, expected_link, measure_neighbours
 
 __all__ = ["TrainingMonitor", "attach_monitor", "load_plan"]
@@ -48,8 +50,6 @@ __all__ = ["TrainingMonitor", "attach_monitor", "load_plan"]
 logger = logging.getLogger("megapipe.monitor")
 
 Sink = Callable[[dict, int], None]
-_VALID, _FAULTED = 1.0, 0.0
-_ROW = ("flag", "step_time_ms", "peak_allocated_bytes", "peak_reserved_bytes", "rss_bytes", "capacity_bytes")
 
 
 def load_plan(plan: str | dict | None) -> drift_mod.PlanExpectation | None:
@@ -69,10 +69,6 @@ def _plan_document(plan: str | dict | None) -> dict | None:
         with open(plan, encoding="utf-8") as handle:
             plan = yaml.safe_load(handle)
     return plan
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 class TrainingMonitor:
@@ -178,7 +174,7 @@ class TrainingMonitor:
 
             device = f"cuda:{torch.cuda.current_device()}"
         self.links = measure_neighbours(self._group, budget_s=budget_s, device=device)
-        latencies = [link.latency_us for link in self.links if _finite(link.latency_us) and link.latency_us >= 0]
+        latencies = [link.latency_us for link in self.links if finite(link.latency_us) and link.latency_us >= 0]
         if self._link_latency_to_hook and self.hook is not None and latencies:
             self.hook.p2p_latency_ms = max(latencies) / 1e3  # the simulator's per-message cost
         for link in self.links:
@@ -230,10 +226,10 @@ class TrainingMonitor:
     # ------------------------------------------------------------------ logging
     def _local_row(self) -> list[float]:
         if self._faulted:
-            return [_FAULTED] + [math.nan] * (len(_ROW) - 1)
+            return [FAULTED] + [math.nan] * (len(ROW) - 1)
         step_ms = self._window_s / self._window_n * 1e3 if self._window_n else math.nan
         mem = sample_memory(reset_peak=False)
-        return [_VALID, step_ms, mem.peak_allocated_bytes, mem.peak_reserved_bytes, mem.rss_bytes, mem.capacity_bytes]
+        return [VALID, step_ms, mem.peak_allocated_bytes, mem.peak_reserved_bytes, mem.rss_bytes, mem.capacity_bytes]
 
     def _exchange(self, row: list[float]) -> list[list[float]]:
         if self._group is None:
@@ -257,18 +253,18 @@ class TrainingMonitor:
             logger.error("megapipe monitor: the pipeline-group all_gather failed", exc_info=exc)
             self._turn_off("the gather failed")
             return {}
-        if any(r[0] != _VALID for r in rows):
-            self._turn_off("a pipeline rank's monitor failed" if row[0] == _VALID else "it failed on this rank")
+        if any(r[0] != VALID for r in rows):
+            self._turn_off("a pipeline rank's monitor failed" if row[0] == VALID else "it failed on this rank")
             return {}
         self._window_s, self._window_n = 0.0, 0
         report = self._fresh_report()
-        local = self._rank_fields(row, report)
-        metrics = {f"megapipe/{k}": v for k, v in local.items() if _finite(v)}
+        local = rank_fields(row, report, pipeline_rank=self.pipeline_rank)
+        metrics = {f"megapipe/{k}": v for k, v in local.items() if finite(v)}
         if self._writer is not None:
             self._writer.write("rank", step, local)
         if self.rank == 0:
-            pipeline = self._pipeline_fields(rows, report)
-            metrics.update({f"megapipe/{k}": v for k, v in _flatten(pipeline).items() if _finite(v)})
+            pipeline = self._pipeline_record(rows, report)
+            metrics.update({f"megapipe/{k}": v for k, v in flatten(pipeline).items() if finite(v)})
             if self._writer is not None:
                 self._writer.write("pipeline", step, pipeline)
         self._logged += 1
@@ -284,53 +280,18 @@ class TrainingMonitor:
         self._last_hook_step = report.step
         return report
 
-    def _rank_fields(self, row: list[float], report: Any) -> dict:
-        fields = dict(zip(_ROW[1:], row[1:]))
-        fields["pipeline_rank"] = self.pipeline_rank
-        if report is not None:
-            mine = report.rank
-            count = max(1.0, mine.num_forward / max(1, len(mine.chunk_forward_ms)))
-            fields.update(wall_ms=mine.wall_ms, forward_ms=mine.forward_ms, backward_ms=mine.backward_ms,
-                          rank_bubble_ms=mine.bubble_ms, rank_bubble_fraction=mine.bubble_fraction,
-                          p2p_wait_ms=mine.p2p_wait_ms, num_microbatches=count,
-                          chunk_forward_ms=list(mine.chunk_forward_ms), chunk_backward_ms=list(mine.chunk_backward_ms))
-        return fields
-
-    def _pipeline_fields(self, rows: list[list[float]], report: Any) -> dict:
-        columns = {name: [r[i] for r in rows] for i, name in enumerate(_ROW)}
-        nan_ranks = sorted({i for name in ("step_time_ms", "peak_allocated_bytes") if any(map(_finite, columns[name]))
-                            for i, v in enumerate(columns[name]) if not _finite(v)})
-        times = [v for v in columns["step_time_ms"] if _finite(v)]
-        step_ms = max(times) if times else math.nan
-        out: dict[str, Any] = {"layout": self.layout, "layers_per_stage": list(self.layers_per_stage),
-                               "step_time_ms": step_ms, "nan_ranks": nan_ranks,
-                               "stage_peak_bytes": columns["peak_allocated_bytes"],
-                               "stage_reserved_bytes": columns["peak_reserved_bytes"]}
-        mem = spread(columns["peak_allocated_bytes"])
-        if mem is not None:
-            out.update(memory_spread=mem.spread, memory_cv=mem.cv, memory_max_bytes=mem.max_bytes)
-        headroom = [c - r for c, r in zip(columns["capacity_bytes"], columns["peak_reserved_bytes"]) if _finite(c - r)]
-        out["memory_headroom_bytes"] = min(headroom) if headroom else math.nan
-        if report is not None and report.pipeline is not None:
-            out.update(bubble_fraction=report.measured_bubble_fraction,
-                       simulated_bubble_fraction=report.simulated_bubble_fraction,
-                       simulated_step_ms=report.simulated_step_ms, dispatch_ms=report.dispatch_ms,
-                       stage_forward_ms=list(report.pipeline.stage_forward_ms),
-                       stage_backward_ms=list(report.pipeline.stage_backward_ms),
-                       compute_spread_ms=report.pipeline.compute_spread_ms)
-        if self.tokens_per_step and _finite(step_ms):
-            tp = throughput(tokens_per_step=self.tokens_per_step, step_time_s=step_ms / 1e3, num_gpus=self.num_gpus,
-                            flops_per_token=self.flops_per_token, peak_tflops_per_gpu=self.peak_tflops)
-            if tp is not None:
-                out.update(tokens_per_s=tp.tokens_per_s, tokens_per_s_per_gpu=tp.tokens_per_s_per_gpu,
-                           tflops_per_gpu=tp.tflops_per_gpu, mfu=tp.mfu)
+    def _pipeline_record(self, rows: list[list[float]], report: Any) -> dict:
+        columns = columns_of(rows)
+        out = pipeline_fields(columns, report, layout=self.layout, layers_per_stage=self.layers_per_stage,
+                              num_gpus=self.num_gpus, tokens_per_step=self.tokens_per_step,
+                              flops_per_token=self.flops_per_token, peak_tflops_per_gpu=self.peak_tflops)
         out["drift"] = self._drift(out, columns)
         return out
 
     def _drift(self, out: dict, columns: dict) -> dict:
         if self.plan is None:
             return {}
-        on_gpu = all(_finite(c) for c in columns["capacity_bytes"])
+        on_gpu = all(finite(c) for c in columns["capacity_bytes"])
         found = drift_mod.drifts(self.plan, step_time_s=out["step_time_ms"] / 1e3,
                                  bubble_fraction=out.get("bubble_fraction"),
                                  stage_peak_bytes=columns["peak_allocated_bytes"] if on_gpu else None)
@@ -339,19 +300,6 @@ class TrainingMonitor:
                 self._warned.add(d.figure)
                 self._say(logging.WARNING, drift_mod.advice(d, threshold=self.drift_threshold, run_dir=self._run_dir))
         return {d.figure: {"measured": d.measured, "predicted": d.predicted, "drift": d.drift} for d in found}
-
-
-def _flatten(fields: dict) -> dict:
-    """Scalar metrics for loggers: per-stage lists become ``stage<i>_<figure>``, the drift dict ``drift_<figure>``."""
-    flat = {}
-    for key, value in fields.items():
-        if key in ("stage_forward_ms", "stage_backward_ms", "stage_peak_bytes"):
-            flat.update({f"stage{i}_{key[len('stage_'):]}": v for i, v in enumerate(value)})
-        elif key == "drift":
-            flat.update({f"drift_{figure}": d["drift"] for figure, d in value.items()})
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            flat[key] = value
-    return flat
 
 
 def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every: int = 10,
@@ -382,7 +330,7 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
             raise ConfigError(f"{name}={value!r} must be an int >= {low}")
     for name, value in (("drift_threshold", drift_threshold), ("topology_threshold", topology_threshold),
                         ("topology_budget_s", topology_budget_s)):
-        if not (_finite(value) and value > 0):
+        if not (finite(value) and value > 0):
             raise ConfigError(f"{name}={value!r} must be a number > 0")
     document = _plan_document(plan)
     expectation = drift_mod.expectation(document) if document is not None else None
