@@ -74,3 +74,16 @@ def test_partition_table(tmp_path):
 def test_help(tmp_path):
     out = megapipe("--help", cwd=tmp_path)
     assert out.returncode == 0 and "megapipe plan" in out.stdout
+
+
+@pytest.mark.parametrize("command", ["plan", "partition"])
+def test_profile_of_another_model_is_refused(tmp_path, command):
+    from megapipe.commands.partition import setup_profile
+
+    tiny = to_setup(compose(["model=tiny_gpt", "cluster=cpu_gloo", "parallel.tensor_model_parallel_size=1",
+                             "parallel.pipeline_model_parallel_size=2"]))
+    path = tmp_path / "tiny.yaml"
+    setup_profile(tiny).save(path)
+    out = megapipe(command, "model=llama3_8b", f"profile={path}", cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "decoder layers" in out.stderr and "num_layers=32" in out.stderr

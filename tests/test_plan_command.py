@@ -113,3 +113,23 @@ def test_plan_table_shows_megatron_schedule_warnings(tmp_path, capsys):
     assert "warning: megatron-core has no zb_h1 schedule" in text
     doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     assert all(any("no zb_h1 schedule" in w for w in plan["warnings"]) for plan in doc["plans"])
+
+
+def test_default_output_explains_the_writeups_configuration(capsys):
+    """The default scenario prints the write-ups' TP=4 PP=8 DP=4 next to the best plan, with where the time went."""
+    from megapipe.commands.plan import compare_line, search_inputs, search_options
+    from megapipe.config import compose
+    from megapipe.plan.search import search
+
+    cfg = compose(["output.pictures=false"])
+    setup, fixed = search_inputs(cfg)
+    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
+                    options=search_options(cfg), use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
+    ref, best = result.reference, result.best
+    assert (ref.parallel.tensor_model_parallel_size, ref.parallel.pipeline_model_parallel_size,
+            ref.parallel.data_parallel_size) == (4, 8, 4)
+    assert best.tokens_per_s >= ref.tokens_per_s
+    line = compare_line(best, ref)
+    assert f"megapipe predicts {ref.tokens_per_s_per_gpu:,.0f}" in line
+    assert f"{best.tokens_per_s / ref.tokens_per_s - 1:+.1%}" in line
+    assert f"bubble {ref.bubble_fraction:.1%} -> {best.bubble_fraction:.1%}" in line

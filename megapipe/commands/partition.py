@@ -10,6 +10,7 @@ the configured schedule). ``output.format=json`` prints one JSON object instead.
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 
 from omegaconf import DictConfig
@@ -26,20 +27,25 @@ from megapipe.simulate import P2PCost, SimResult, StageTimes, simulate
 from megapipe.simulate import inputs as simulate_inputs
 from megapipe.stages import stage_specs
 
-__all__ = ["run", "setup_profile", "stage_times", "pipeline_p2p"]
+__all__ = ["run", "matched_profile", "setup_profile", "stage_times", "pipeline_p2p"]
 
 GIB = 2**30
+
+
+def matched_profile(setup: Setup) -> Profile:
+    """The ``profile=FILE`` profile, checked against the model's shape and scaled for the cluster's GPU."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        profile = match_profile(Profile.load(setup.profile_path), model=setup.model, gpu=setup.cluster.gpu)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    return profile
 
 
 def setup_profile(setup: Setup) -> Profile:
     """The measured profile given with ``profile=FILE`` (checked against the model), else the cost model's."""
     if setup.profile_path:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            profile = match_profile(Profile.load(setup.profile_path), model=setup.model, gpu=setup.cluster.gpu)
-        for warning in caught:
-            print(f"warning: {warning.message}")
-        return profile
+        return matched_profile(setup)
     return cost.layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster,
                             parallel=setup.parallel, train=setup.train)
 

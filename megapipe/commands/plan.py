@@ -15,6 +15,7 @@ import sys
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from megapipe.commands.partition import matched_profile
 from megapipe.config import to_setup
 from megapipe.errors import ConfigError
 from megapipe.plan.document import json_summary, plan_document
@@ -150,7 +151,7 @@ def run(cfg: DictConfig) -> None:
 
     setup, fixed = search_inputs(cfg)
     options = search_options(cfg)
-    profile = Profile.load(setup.profile_path) if setup.profile_path else None
+    profile = matched_profile(setup) if setup.profile_path else None
     if profile is not None:
         _pin_for_profile(setup, fixed)
     result = _progress_search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
@@ -193,6 +194,22 @@ _PIPED_WIDTH = 160
 """Columns of the plan table when stdout is not a terminal (the table needs about 150)."""
 
 
+def compare_line(best, reference) -> str:
+    """What changed from the write-ups' TP=4 PP=8 configuration to the best plan, and where the time went."""
+    par = reference.parallel
+    peak = lambda plan: max(stage.total_bytes for stage in plan.stages) / 2**30  # noqa: E731
+    return (
+        f"vs the write-ups' TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
+        f"DP={par.data_parallel_size} (they report 850 tok/s/GPU; megapipe predicts "
+        f"{reference.tokens_per_s_per_gpu:,.0f}): best plan {best.tokens_per_s / reference.tokens_per_s - 1:+.1%}; "
+        f"bubble {reference.bubble_fraction:.1%} -> {best.bubble_fraction:.1%}, pipeline "
+        f"{reference.pipeline_ms / 1e3:.2f} -> {best.pipeline_ms / 1e3:.2f} s, DP sync "
+        f"{reference.dp_sync_ms / 1e3:.2f} -> {best.dp_sync_ms / 1e3:.2f} s, optimizer "
+        f"{reference.optimizer_ms / 1e3:.2f} -> {best.optimizer_ms / 1e3:.2f} s, peak memory "
+        f"{peak(reference):.1f} -> {peak(best):.1f} GiB"
+    )
+
+
 def print_plans(result: SearchResult, *, directory: str) -> None:
     """Rich table: top k, the best plan's equal split, and the reference configuration."""
     from rich.console import Console
@@ -223,6 +240,8 @@ def print_plans(result: SearchResult, *, directory: str) -> None:
     if result.baseline is not None:
         gain = best.tokens_per_s / result.baseline.tokens_per_s - 1
         console.print(f"gain over equal split: {gain:+.1%}")
+    if result.reference is not None and result.reference is not best:
+        console.print(compare_line(best, result.reference))
     stats = result.stats
     console.print(f"searched {stats.enumerated} candidates, simulated {stats.simulated}, pruned "
                   f"{dict(stats.pruned)} in {stats.seconds:.2f} s; files in {directory}")
