@@ -338,3 +338,22 @@ def test_command_rejects_bad_stage_times(tmp_path, capsys):
         _run_command(tmp_path, capsys, "schedule=interleaved_1f1b", "parallel.pipeline_model_parallel_size=4",
                      "parallel.virtual_pipeline_model_parallel_size=1", "train.num_microbatches=8",
                      "stage_times=[[1,1,1],[1,1,1],[1,1,1],[1,1,1]]")
+
+
+def test_stage_times_set_the_pipeline_size_and_bad_times_are_one_line(tmp_path, capsys):
+    import json
+
+    from megapipe.cli import main
+
+    triples = "stage_times=[[1,1,1],[1,1,1],[1,1,1],[1,1,1]]"
+    assert main(["simulate", "schedule=zb_h1", triples, "train.num_microbatches=8", f"output.dir={tmp_path}",
+                 "output.format=json", "output.pictures=false"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # Four equal stages, F = B = W = 1: ZB-H1 idles (p - 1)(F + B - W) = 3 ms per rank over m(F + B + W) = 24 ms.
+    assert result["pipeline_model_parallel_size"] == 4
+    assert result["step_time_ms"] == pytest.approx(27.0)
+    assert result["bubble_fraction"] == pytest.approx(3 / 27)
+    for bad, fragment in (("[[1,-1,1],[1,1,1]]", "B=-1.0"), ("[[1,nan,1],[1,1,1]]", "B=nan")):
+        assert main(["simulate", f"stage_times={bad}", "train.num_microbatches=4", f"output.dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and fragment in err[0]

@@ -17,6 +17,7 @@ output directory unless ``output.pictures=false``.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from omegaconf import DictConfig, OmegaConf
@@ -40,6 +41,10 @@ def times_from_triples(triples, *, schedule: Schedule) -> StageTimes:
         rows = [[]]
     if not rows or any(len(row) != 3 for row in rows):
         raise ConfigError(f"stage_times={triples!r} must be a list of [F, B, W] triples in ms")
+    for index, row in enumerate(rows):
+        for name, value in zip("FBW", row):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"stage_times[{index}] {name}={value!r} must be a finite number of ms >= 0")
     stages, ranks = schedule.num_stages, schedule.pipeline_model_parallel_size
     if len(rows) == ranks and stages != ranks:
         chunks = stages // ranks
@@ -78,9 +83,16 @@ def _chunks(name: str, setup: Setup) -> int:
     return chunks_per_rank(name, setup.parallel.virtual_pipeline_model_parallel_size)
 
 
+def _pipeline_size(setup: Setup, cfg: DictConfig) -> int:
+    """With ``stage_times`` and no pipeline size given, one triple per rank sets it."""
+    if cfg.get("stage_times") is not None and "pipeline_model_parallel_size" not in setup.fixed:
+        return max(1, len(cfg.stage_times))
+    return setup.parallel.pipeline_model_parallel_size
+
+
 def _simulate_one(name: str, setup: Setup, cfg: DictConfig, notes: list[str]) -> SimResult:
     chunks = _chunks(name, setup)
-    schedule = build(name, pipeline_model_parallel_size=setup.parallel.pipeline_model_parallel_size,
+    schedule = build(name, pipeline_model_parallel_size=_pipeline_size(setup, cfg),
                      num_microbatches=setup.num_microbatches, virtual_pipeline_model_parallel_size=chunks,
                      microbatch_group_size_per_vp_stage=setup.parallel.microbatch_group_size_per_vp_stage)
     if cfg.get("stage_times") is not None:
