@@ -78,6 +78,9 @@ def _model_times(setup: Setup, schedule: Schedule, chunks: int, notes: list[str]
 
 
 def _chunks(name: str, setup: Setup) -> int:
+    """A virtual size the user gave is used as given (the builder checks it); otherwise the schedule's own."""
+    if "virtual_pipeline_model_parallel_size" in setup.fixed and setup.schedule != "all":
+        return setup.parallel.virtual_pipeline_model_parallel_size
     if name == "interleaved_1f1b" and "virtual_pipeline_model_parallel_size" not in setup.fixed:
         return 2
     return chunks_per_rank(name, setup.parallel.virtual_pipeline_model_parallel_size)
