@@ -133,3 +133,14 @@ def test_default_output_explains_the_writeups_configuration(capsys):
     assert f"megapipe predicts {ref.tokens_per_s_per_gpu:,.0f}" in line
     assert f"{best.tokens_per_s / ref.tokens_per_s - 1:+.1%}" in line
     assert f"bubble {ref.bubble_fraction:.1%} -> {best.bubble_fraction:.1%}" in line
+
+
+def test_equal_split_that_does_not_fit_is_flagged(tmp_path, capsys):
+    """On the default 70B scenario the best plan's equal split needs more than the usable 71.6 GiB."""
+    assert main(["plan", f"output.dir={tmp_path}", "output.pictures=false", "output.format=json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["baseline"]["feasible"] is False and summary["baseline"]["memory_over_gib"] > 0
+    assert all(plan["feasible"] for plan in summary["plans"])
+    assert main(["plan", f"output.dir={tmp_path / 't'}", "output.pictures=false"]) == 0
+    text = capsys.readouterr().out
+    assert "equal split (no fit)" in text and "does not fit memory" in text

@@ -222,7 +222,7 @@ def print_plans(result: SearchResult, *, directory: str) -> None:
     for index, plan in enumerate(result.plans, start=1):
         table.add_row(*_row(f"#{index}", plan))
     if result.baseline is not None:
-        table.add_row(*_row("equal split", result.baseline))
+        table.add_row(*_row("equal split" if result.baseline.feasible else "equal split (no fit)", result.baseline))
     if result.reference is not None:
         table.add_row(*_row("TP4 PP8 ref", result.reference))
     console = Console()
@@ -239,7 +239,10 @@ def print_plans(result: SearchResult, *, directory: str) -> None:
                 console.print(f"#{index} warning: {warning}")
     if result.baseline is not None:
         gain = best.tokens_per_s / result.baseline.tokens_per_s - 1
-        console.print(f"gain over equal split: {gain:+.1%}")
+        fits = "" if result.baseline.feasible else (
+            f" (the equal split does not fit memory: {result.baseline.memory_over_gib:.1f} GiB over on its fullest "
+            "stage, so it could not run as shown)")
+        console.print(f"gain over equal split: {gain:+.1%}{fits}")
     if result.reference is not None and result.reference is not best:
         console.print(compare_line(best, result.reference))
     stats = result.stats
