@@ -211,18 +211,9 @@ def p2p_latency_ms(*, shape: tuple[int, ...] = (16, 2, HIDDEN_SIZE), repeats: in
     if len(ranks) < 2 or me == len(ranks) - 1 and len(ranks) % 2:
         return 0.0
     peer = ranks[me + 1] if me % 2 == 0 else ranks[me - 1]
-    buf = torch.zeros(shape)
-    trips = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        if me % 2 == 0:
-            dist.send(buf, peer, group=group)
-            dist.recv(buf, peer, group=group)
-        else:
-            dist.recv(buf, peer, group=group)
-            dist.send(buf, peer, group=group)
-        trips.append(time.perf_counter() - start)
-    return sorted(trips)[len(trips) // 2] / 2 * 1e3
+    from megapipe.monitor.topology import ping_pong_s
+
+    return ping_pong_s(torch.zeros(shape), peer=peer, leader=me % 2 == 0, repeats=repeats, group=group) * 1e3
 
 
 def _sleep_function():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["LinkMeasurement", "fit_link", "like_kind", "compare_link", "expected_link", "measure_neighbours",
-           "DEFAULT_SIZES"]
+           "DEFAULT_SIZES", "ping_pong_s"]
 
 DEFAULT_SIZES = (4 * 1024, 256 * 1024, 4 * 1024 * 1024)
 """Message sizes in bytes (fp32 elements x 4)."""
@@ -94,7 +94,8 @@ def expected_link(topology: dict, *, rank: int, peer: int) -> dict | None:
     return topology.get(key)
 
 
-def _ping_pong(buf: Any, *, peer: int, leader: bool, repeats: int, group: Any) -> float:
+def ping_pong_s(buf: Any, *, peer: int, leader: bool, repeats: int, group: Any) -> float:
+    """One-way time of ``buf`` to ``peer``: median send/recv round trip over ``repeats``, halved, in s."""
     import torch.distributed as dist
 
     trips = []
@@ -120,8 +121,8 @@ def _measure_pair(*, peer: int, leader: bool, sizes: Sequence[int], repeats: int
     deadline = time.perf_counter() + budget_s
     for size in sizes:
         buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
-        _ping_pong(buf, peer=peer, leader=leader, repeats=1, group=group)  # warm-up
-        times.append(_ping_pong(buf, peer=peer, leader=leader, repeats=repeats, group=group))
+        ping_pong_s(buf, peer=peer, leader=leader, repeats=1, group=group)  # warm-up
+        times.append(ping_pong_s(buf, peer=peer, leader=leader, repeats=repeats, group=group))
         done_sizes.append(size)
         if leader:
             flag.fill_(1.0 if time.perf_counter() < deadline else 0.0)
