@@ -13,7 +13,7 @@ Prints, on one core (CPU time of this single-threaded process; wall clock alongs
   simulated) on a random sample, extrapolated to the whole space; and the ratios of (a) and
   (b) to it and to Calculon's published 433 configs/s/core.
 
-    /work/venv/bin/python scripts/bench_plan.py [--sample 40] [--exact 200] [--repeats 3]
+    python scripts/bench_plan.py [--sample 40] [--exact 200] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     if "nemo" in (config.getoption("markexpr") or ""):
         return
-    skip = pytest.mark.skip(reason="needs nemo_toolkit in ../nemo-venv; run with -m nemo")
+    skip = pytest.mark.skip(reason="needs nemo_toolkit (NEMO_PYTHON=<its python>); run with -m nemo")
     for item in items:
         if "nemo" in item.keywords:
             item.add_marker(skip)
