@@ -386,3 +386,70 @@ def test_virtual_stage_error_names_the_share():
     with pytest.raises(InfeasibleError, match=r"^stage \d needs at least .* GiB but has .* GiB \(its share of pipeline rank \d's 8\.0 GiB\) \(over by"):
         solve(layers, [StageSpec(memory_bytes=8.0 * GIB)] * 2, num_microbatches=4,
               schedule="interleaved_1f1b", virtual_pipeline_model_parallel_size=2)
+
+
+def _utilisation(need, cap):
+    if cap == math.inf or (cap == 0 and need <= 0):
+        return 0.0
+    return need / cap if cap > 0 else math.inf
+
+
+def _least_utilisation_brute(layers, scales, caps, in_flight):
+    """(bottleneck, least max utilisation among splits at that bottleneck), costs on prefix sums as the solver."""
+    num_stages, num_entries = len(scales), len(layers)
+    times = [0.0, *itertools.accumulate(e.fwd_ms + e.bwd_ms for e in layers)]
+    static = [0.0, *itertools.accumulate(e.static_bytes for e in layers)]
+    act = [0.0, *itertools.accumulate(e.act_bytes for e in layers)]
+    splits = []
+    for cuts in itertools.combinations(range(1, num_entries), num_stages - 1):
+        bounds = (0, *cuts, num_entries)
+        pairs = list(zip(bounds[:-1], bounds[1:]))
+        need = [(static[b] - static[a]) + k * (act[b] - act[a]) for (a, b), k in zip(pairs, in_flight)]
+        if any(used > cap for used, cap in zip(need, caps)):
+            continue
+        worst = max(s * (times[b] - times[a]) for s, (a, b) in zip(scales, pairs))
+        splits.append((worst, max(_utilisation(n, c) for n, c in zip(need, caps))))
+    if not splits:
+        return None, None
+    best = min(worst for worst, _ in splits)
+    return best, min(level for worst, level in splits if worst <= best * (1 + 1e-9))
+
+
+@st.composite
+def tied_instances(draw):
+    """Integer stage times (many splits share the bottleneck) on 2-5 stages, 1F1B or GPipe."""
+    layers, stages, num_microbatches, schedule = draw(instances(max_entries=10, max_stages=5, min_stages=2))
+    layers = [
+        _layer(e.kind, float(draw(st.integers(0, 3))), float(draw(st.integers(0, 3))), e.static_bytes, e.act_bytes)
+        for e in layers
+    ]
+    return layers, stages, num_microbatches, schedule
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tied_instances())
+def test_optimal_split_has_least_utilisation_among_bottleneck_optimal(instance):
+    layers, stages, num_microbatches, schedule = instance
+    in_flight = in_flight_counts(
+        schedule=schedule, pipeline_model_parallel_size=len(stages), num_microbatches=num_microbatches
+    )
+    caps = [s.memory_bytes for s in stages]
+    best, level = _least_utilisation_brute(layers, [s.time_scale for s in stages], caps, in_flight)
+    if best is None:
+        return
+    part = solve(layers, stages, num_microbatches=num_microbatches, schedule=schedule)
+    assert part.bottleneck_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
+    if any(math.isfinite(cap) for cap in caps):  # with no finite cap the min-max split is kept as found
+        got = max(_utilisation(used, cap) for used, cap in zip(part.stage_memory_bytes, caps))
+        assert got == pytest.approx(level, rel=1e-9, abs=1e-12)
+
+
+def test_tied_bottleneck_moves_layers_off_the_fullest_stage():
+    # 7 equal layers on 3 stages: every split with at most 3 layers a stage has bottleneck 9 ms. 1F1B keeps
+    # 3, 2, 1 microbatches, so a layer needs 4, 3, 2 units; (2, 2, 3) peaks at 8 units, (3, 3, 1) at 12.
+    layers = [_layer(LayerKind.decoder, 1.0, 2.0, UNIT, UNIT) for _ in range(7)]
+    part = solve(layers, [StageSpec(memory_bytes=64.0 * UNIT)] * 3, num_microbatches=8)
+    assert part.bottleneck_ms == 9.0 and part.layers_per_stage == (2, 2, 3)
+    assert max(part.stage_memory_bytes) == 8 * UNIT
+    # Without a finite cap, and with virtual stages, the min-max split is kept as found (latest cuts last).
+    assert solve(layers, [StageSpec()] * 3, num_microbatches=8).layers_per_stage == (3, 3, 1)

@@ -32,7 +32,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SegmentCost", "min_max_split", "segment_cost"]
+__all__ = ["SegmentCost", "min_max_split", "reachable_sets", "segment_cost"]
 
 _INF = math.inf
 
@@ -227,3 +227,15 @@ def min_max_split(
             bounds, upper = _reconstruct(history, stages, num_entries)
     assert bounds is not None
     return upper, tuple(bounds)
+
+
+
+def reachable_sets(*, stages: Sequence[SegmentCost], num_entries: int, bound: float) -> list[list[tuple[int, int]]] | None:
+    """Reachable stops after 0, 1, ... stages (sorted disjoint inclusive intervals) at ``bound``, or None.
+
+    One feasibility probe (see the module docstring); entry j of the result holds every
+    prefix length that j stages can cover with each stage costing at most ``bound``
+    within its memory reach, leaving enough entries for the rest.
+    """
+    history, _ = _Probe(stages, num_entries).run(bound)
+    return history

@@ -2,6 +2,8 @@
 
 ``method="optimal"`` minimises the bottleneck ``max_j time_scale_j * sum(fwd_ms + bwd_ms)``
 exactly, subject to every stage fitting its memory (see :mod:`megapipe.partition.minmax`);
+for 1F1B and GPipe without virtual stages it then takes, among splits with that
+bottleneck, the one with the least max memory / cap (:mod:`megapipe.partition.headroom`);
 ``equal`` and ``parameters`` are Megatron's and DeepSpeed's splits
 (:mod:`megapipe.partition.baselines`). With virtual stages (v > 1) the solver splits the
 entries into P * v layout stages; layout stage c runs on rank c % P with that rank's
@@ -20,13 +22,17 @@ from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.partition.baselines import equal_bounds, parameters_bounds
 from megapipe.partition.evaluate import build_partition, over_memory_message
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memory_reach, stage_ranks
-from megapipe.partition.minmax import SegmentCost, min_max_split, segment_cost
+from megapipe.partition.headroom import least_utilisation_split
+from megapipe.partition.minmax import SegmentCost, min_max_split, reachable_sets, segment_cost
 from megapipe.records import LayerCost, Partition, StageSpec
 
 __all__ = ["METHODS", "solve", "evaluate"]
 
 METHODS = ("optimal", "equal", "parameters")
 _HUGE = 1e300
+_HEADROOM_SCHEDULES = frozenset({"1f1b", "gpipe"})
+"""Schedules whose step time is (m - 1) * bottleneck + sum of stage times (Narayanan et al. 2021, sec. 2.2)
+without virtual stages: every bottleneck-optimal split is equally fast, so the solver keeps the most headroom."""
 
 
 def solve(
@@ -65,7 +71,8 @@ def solve(
         caps = chunk_memory_caps(layers=layers, stages=stages, in_flight=in_flight, ranks=ranks)
         if not check_memory:
             caps = (math.inf,) * len(caps)
-        bounds = _optimal_bounds(layers, stages, ranks, in_flight, caps)
+        headroom = vp == 1 and schedule in _HEADROOM_SCHEDULES
+        bounds = _optimal_bounds(layers, stages, ranks, in_flight, caps, headroom=headroom)
     partition = build_partition(
         layers=layers, stages=stages, bounds=bounds, in_flight=in_flight, ranks=ranks,
         num_microbatches=num_microbatches, schedule=schedule, method=method,
@@ -130,30 +137,43 @@ def _validate(profile, stages, num_microbatches, vp, method) -> tuple[tuple[Laye
     return layers, stages, vp
 
 
-def _optimal_bounds(layers, stages, ranks, in_flight, caps) -> tuple[int, ...]:
+def _optimal_bounds(layers, stages, ranks, in_flight, caps, *, headroom: bool) -> tuple[int, ...]:
+    """Min-max bottleneck split, then the one of least max memory utilisation at that bottleneck."""
     num_entries = len(layers)
     time_prefix = (0.0, *itertools.accumulate(layer.fwd_ms + layer.bwd_ms for layer in layers))
     order = sorted(range(num_entries), key=lambda e: time_prefix[e + 1] - time_prefix[e], reverse=True)
     static_prefix, act_prefix = _memory_prefixes(layers)
     reach = memory_reach(static_prefix=static_prefix, act_prefix=act_prefix, in_flight=in_flight, caps=caps)
-    blocked_rows, blocked_entries = np.nonzero(reach[:, :-1] == np.arange(num_entries))
-    blocked = [[] for _ in caps]
-    for row, entry in zip(blocked_rows.tolist(), blocked_entries.tolist()):
-        blocked[row].append(entry)
-    costs = [
-        SegmentCost(
-            prefix=time_prefix, scale=stages[ranks[chunk]].time_scale, offset=0.0,
-            mem_reach=row, mem_blocked=blocked[chunk], single_desc=order,
-        )  # fmt: skip
-        for chunk, row in enumerate(reach.tolist())
-    ]
+    costs = _time_costs(time_prefix, order, [stages[rank].time_scale for rank in ranks], reach)
     # Every entry sits on some stage no faster than the fastest; the fluid bound spreads total time at full speed.
     largest = min(segment_cost(cost, order[0], order[0] + 1) for cost in costs)
     fluid = time_prefix[-1] / sum(1.0 / cost.scale for cost in costs) * (1 - 1e-9)
     result = min_max_split(stages=costs, num_entries=num_entries, lower_bound=max(largest, fluid))
     if result is None:
         raise _MemoryInfeasible(lambda: _memory_infeasible_message(layers, stages, ranks, in_flight, caps))
-    return result[1]
+    bottleneck, bounds = result
+    if not headroom or not any(math.isfinite(cap) for cap in caps):
+        return bounds  # nothing to keep headroom against: the min-max split as found
+    reachable = reachable_sets(stages=costs, num_entries=num_entries, bound=bottleneck)
+    return least_utilisation_split(
+        costs=costs, reachable=reachable, bottleneck=bottleneck, static_prefix=static_prefix,
+        act_prefix=act_prefix, in_flight=in_flight, caps=caps,
+    )  # fmt: skip
+
+
+def _time_costs(time_prefix, order, scales, reach: np.ndarray) -> list[SegmentCost]:
+    """Each layout stage's time cost with its memory reach row (and entries too big for it alone)."""
+    num_entries = len(time_prefix) - 1
+    blocked_rows, blocked_entries = np.nonzero(reach[:, :-1] == np.arange(num_entries))
+    blocked = [[] for _ in scales]
+    for row, entry in zip(blocked_rows.tolist(), blocked_entries.tolist()):
+        blocked[row].append(entry)
+    return [
+        SegmentCost(
+            prefix=time_prefix, scale=scale, offset=0.0, mem_reach=row, mem_blocked=blocked[chunk], single_desc=order,
+        )  # fmt: skip
+        for chunk, (scale, row) in enumerate(zip(scales, reach.tolist()))
+    ]
 
 
 def _memory_prefixes(layers) -> tuple[np.ndarray, np.ndarray]:
