@@ -73,27 +73,47 @@ class _Probe:
         reach = [(0, 0)]
         history = [reach]
         next_bound = _INF
-        num_stages = len(self.stages)
+        max_pos = self.num_entries - len(self.stages)
+        largest = self.largest
         for index, stage in enumerate(self.stages):
-            max_pos = self.num_entries - (num_stages - index - 1)
-            low, high = reach[0]
-            blocked = stage.mem_blocked
-            if (
-                len(reach) == 1
-                and self.largest[index] <= bound
-                and not (blocked and bisect_left(blocked, low) != bisect_right(blocked, min(high, max_pos - 1)))
-            ):
-                # Common case: every entry that could end here fits this stage alone: one interval stays one.
-                stop, change = self._jump(stage, high, max_pos, bound)
-                if change < next_bound:
-                    next_bound = change
-                reach = [(low + 1, stop if stop > high else high + 1)]
-            else:
-                reach, change = self._general_step(stage, reach, max_pos, bound)
-                if change < next_bound:
-                    next_bound = change
-                if not reach:
-                    return None, next_bound
+            max_pos += 1  # num_entries - (stages after this one)
+            if len(reach) == 1 and largest[index] <= bound:
+                low, high = reach[0]
+                blocked = stage.mem_blocked
+                if not (blocked and bisect_left(blocked, low) != bisect_right(blocked, min(high, max_pos - 1))):
+                    # Common case: every entry that could end here fits this stage alone: one interval stays one.
+                    # This is _jump inlined (the probe's hot loop).
+                    if high + 2 > max_pos:
+                        reach = [(low + 1, high + 1)]
+                        history.append(reach)
+                        continue
+                    limit = stage.mem_reach[high]
+                    if limit > max_pos:
+                        limit = max_pos
+                    if bound == _INF:
+                        stop = limit
+                    else:
+                        prefix, scale, offset = stage.prefix, stage.scale, stage.offset
+                        base = prefix[high]
+                        stop = bisect_right(prefix, base + (bound - offset) / scale, high, limit + 1) - 1
+                        if stop < high:
+                            stop = high
+                        while stop < limit and scale * (prefix[stop + 1] - base) + offset <= bound:
+                            stop += 1
+                        while stop > high and scale * (prefix[stop] - base) + offset > bound:
+                            stop -= 1
+                        if stop < limit:
+                            change = scale * (prefix[stop + 1] - base) + offset
+                            if change < next_bound:
+                                next_bound = change
+                    reach = [(low + 1, stop if stop > high else high + 1)]
+                    history.append(reach)
+                    continue
+            reach, change = self._general_step(stage, reach, max_pos, bound)
+            if change < next_bound:
+                next_bound = change
+            if not reach:
+                return None, next_bound
             history.append(reach)
         if reach[-1][1] != self.num_entries:
             return None, next_bound
