@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -31,25 +32,29 @@ def build_partition(
     pp = len(stages)
     num_chunks = len(bounds) - 1
     assert num_chunks == len(in_flight) == len(ranks) and num_chunks % pp == 0
-    chunks = [layers[bounds[c] : bounds[c + 1]] for c in range(num_chunks)]
-    if any(not chunk for chunk in chunks):
-        raise InfeasibleError(f"layers_per_stage={[len(c) for c in chunks]} leaves a stage empty; give each >= 1 entry")
-    time_ms = tuple(
-        stages[ranks[c]].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in chunk) for c, chunk in enumerate(chunks)
-    )
-    static = tuple(math.fsum(e.static_bytes for e in chunk) for chunk in chunks)
-    act = tuple(math.fsum(e.act_bytes for e in chunk) for chunk in chunks)
+    cuts = [(bounds[c], bounds[c + 1]) for c in range(num_chunks)]
+    all_kinds = tuple(e.kind for e in layers)
+    kinds = tuple(all_kinds[a:b] for a, b in cuts)
+    if any(not chunk for chunk in kinds):
+        raise InfeasibleError(f"layers_per_stage={[len(c) for c in kinds]} leaves a stage empty; give each >= 1 entry")
+    # One pass per field, then exact (fsum) sums over slices: the same values as summing each chunk's entries.
+    times = [e.fwd_ms + e.bwd_ms for e in layers]
+    statics = [e.static_bytes for e in layers]
+    acts = [e.act_bytes for e in layers]
+    fsum = math.fsum
+    time_ms = tuple(stages[ranks[c]].time_scale * fsum(times[a:b]) for c, (a, b) in enumerate(cuts))
+    static = tuple(fsum(statics[a:b]) for a, b in cuts)
+    act = tuple(fsum(acts[a:b]) for a, b in cuts)
     memory = tuple(s + count * a for s, count, a in zip(static, in_flight, act))
-    kinds = tuple(tuple(e.kind for e in chunk) for chunk in chunks)
     partition = Partition(
-        layers_per_stage=tuple(len(chunk) for chunk in chunks),
+        layers_per_stage=tuple(len(chunk) for chunk in kinds),
         stage_kinds=kinds,
         stage_time_ms=time_ms,
         stage_static_bytes=static,
         stage_act_bytes=act,
         stage_in_flight=tuple(int(count) for count in in_flight),
         stage_memory_bytes=memory,
-        layout=format_layout(kinds),
+        layout="|".join(_stage_layout(stage_kinds) for stage_kinds in kinds),
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=num_chunks // pp,
         num_microbatches=num_microbatches,
@@ -60,6 +65,12 @@ def build_partition(
     rank_memory = partition.rank_memory_bytes
     fits = all(used <= stage.memory_bytes for used, stage in zip(rank_memory, stages))
     return dataclasses.replace(partition, fits_memory=fits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layout(kinds: tuple) -> str:
+    """One stage's layout text; stages repeat (``t*4``), so the text is cached by the stage's kinds."""
+    return format_layout((kinds,))
 
 
 def over_memory_message(*, label: str, need_bytes: float, cap_bytes: float, detail: str = "") -> str:
