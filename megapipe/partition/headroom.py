@@ -71,11 +71,24 @@ def least_utilisation_split(
     reach = [dict() for _ in costs]
 
     def reach_of(stage: int, start: int) -> int:
-        found = reach[stage].get(start)
+        cache = reach[stage]
+        found = cache.get(start)
         if found is None:
+            # min(memory reach, time_reach(...)) with time_reach inlined: this runs for every window position.
             cost = costs[stage]
-            found = min(cost.mem_reach[start], time_reach(cost, start, bottleneck, num_entries))
-            reach[stage][start] = found
+            prefix, scale, offset = cost.prefix, cost.scale, cost.offset
+            base = prefix[start]
+            stop = bisect_right(prefix, base + (bottleneck - offset) / scale, start, num_entries + 1) - 1
+            if stop < start:
+                stop = start
+            while stop < num_entries and scale * (prefix[stop + 1] - base) + offset <= bottleneck:
+                stop += 1
+            while stop > start and scale * (prefix[stop] - base) + offset > bottleneck:
+                stop -= 1
+            found = cost.mem_reach[start]
+            if stop < found:
+                found = stop
+            cache[start] = found
         return found
 
     windows = _windows(reachable, reach_of, num_entries)
