@@ -67,6 +67,11 @@ class _Probe:
         self.stages = stages
         self.num_entries = num_entries
         self.largest = [segment_cost(stage, stage.single_desc[0], stage.single_desc[0] + 1) for stage in stages]
+        # The hot loop's per-stage fields, unpacked once per solve rather than once per probe and stage.
+        self.rows = [
+            (stage, largest, stage.mem_blocked, stage.mem_reach, stage.prefix, stage.scale, stage.offset)
+            for stage, largest in zip(stages, self.largest)
+        ]
 
     def run(self, bound: float) -> tuple[list[list[tuple[int, int]]] | None, float]:
         """(history of reachable intervals, or None when infeasible; next bound that changes a comparison)."""
@@ -74,26 +79,26 @@ class _Probe:
         history = [reach]
         next_bound = _INF
         max_pos = self.num_entries - len(self.stages)
-        largest = self.largest
-        for index, stage in enumerate(self.stages):
+        for stage, largest, blocked, mem_reach, prefix, scale, offset in self.rows:
             max_pos += 1  # num_entries - (stages after this one)
-            if len(reach) == 1 and largest[index] <= bound:
+            if len(reach) == 1 and largest <= bound:
                 low, high = reach[0]
-                blocked = stage.mem_blocked
-                if not (blocked and bisect_left(blocked, low) != bisect_right(blocked, min(high, max_pos - 1))):
+                # Reachable stops never pass the previous stage's max_pos, so low <= high <= max_pos - 1 and
+                # "no blocked entry in [low, high]" reads: the first blocked entry >= low lies past high.
+                first = bisect_left(blocked, low) if blocked else 0
+                if first == len(blocked) or blocked[first] > min(high, max_pos - 1):
                     # Common case: every entry that could end here fits this stage alone: one interval stays one.
                     # This is _jump inlined (the probe's hot loop).
                     if high + 2 > max_pos:
                         reach = [(low + 1, high + 1)]
                         history.append(reach)
                         continue
-                    limit = stage.mem_reach[high]
+                    limit = mem_reach[high]
                     if limit > max_pos:
                         limit = max_pos
                     if bound == _INF:
                         stop = limit
                     else:
-                        prefix, scale, offset = stage.prefix, stage.scale, stage.offset
                         base = prefix[high]
                         stop = bisect_right(prefix, base + (bound - offset) / scale, high, limit + 1) - 1
                         if stop < high:
@@ -212,7 +217,12 @@ def _reconstruct(history, stages: Sequence[SegmentCost], num_entries: int) -> tu
         bounds.append(start)
         stop = start
     bounds.reverse()
-    return bounds, max(segment_cost(stage, bounds[i], bounds[i + 1]) for i, stage in enumerate(stages))
+    worst = -_INF
+    for stage, start, stop in zip(stages, bounds, bounds[1:]):
+        cost = stage.scale * (stage.prefix[stop] - stage.prefix[start]) + stage.offset  # segment_cost, inlined
+        if cost > worst:
+            worst = cost
+    return bounds, worst
 
 
 def min_max_split(
