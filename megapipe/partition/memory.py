@@ -108,8 +108,11 @@ def memory_reach(
     num_entries = len(static_prefix) - 1
     counts = np.asarray(in_flight, dtype=float)[:, None]
     cap_column = np.asarray(caps, dtype=float)[:, None]
-    combined = static_prefix[None, :] + counts * act_prefix[None, :]
-    total = combined[:, -1:]
+    # Three stage-by-entry arrays in all (combined, keys, found), updated in place: fresh large
+    # temporaries cost page faults each call, which outweighed the search itself.
+    combined = counts * act_prefix[None, :]
+    combined += static_prefix[None, :]
+    total = combined[:, -1:].copy()
     limit = np.minimum(cap_column, total + 1.0)
     span = float(np.max(total + limit)) + 1.0
     exact = bool(
@@ -121,14 +124,15 @@ def memory_reach(
     if exact:
         limit = np.floor(limit)  # integer sums: x <= cap exactly when x <= floor(cap)
     offsets = np.arange(len(counts), dtype=float)[:, None] * span
-    flat = (combined + offsets).ravel()
-    keys = (combined + limit + offsets).ravel()
-    if exact:  # every value is an integer below 2**53: the same search on int64 is exact and faster
-        flat, keys = flat.astype(np.int64), keys.astype(np.int64)
-    found = np.searchsorted(flat, keys, side="right").reshape(combined.shape)
+    keys = combined + limit
+    keys += offsets  # (combined + limit) + offsets
+    combined += offsets  # the rows made disjoint
+    found = np.searchsorted(combined.ravel(), keys.ravel(), side="right").reshape(combined.shape)
+    found -= 1
+    found -= np.arange(len(counts))[:, None] * (num_entries + 1)
     starts = np.arange(num_entries + 1)[None, :]
-    row_base = np.arange(len(counts))[:, None] * (num_entries + 1)
-    reach = np.minimum(np.maximum(found - 1 - row_base, starts), num_entries)
+    reach = np.maximum(found, starts, out=found)
+    np.minimum(reach, num_entries, out=reach)
     if exact:
         return reach
 
