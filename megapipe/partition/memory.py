@@ -108,11 +108,8 @@ def memory_reach(
     num_entries = len(static_prefix) - 1
     counts = np.asarray(in_flight, dtype=float)[:, None]
     cap_column = np.asarray(caps, dtype=float)[:, None]
-    # Three stage-by-entry arrays in all (combined, keys, found), updated in place: fresh large
-    # temporaries cost page faults each call, which outweighed the search itself.
-    combined = counts * act_prefix[None, :]
-    combined += static_prefix[None, :]
-    total = combined[:, -1:].copy()
+    total = counts * act_prefix[None, -1:]
+    total += static_prefix[None, -1:]  # the last column of static + count * act, same rounding
     limit = np.minimum(cap_column, total + 1.0)
     span = float(np.max(total + limit)) + 1.0
     exact = bool(
@@ -123,15 +120,9 @@ def memory_reach(
     )
     if exact:
         limit = np.floor(limit)  # integer sums: x <= cap exactly when x <= floor(cap)
-    offsets = np.arange(len(counts), dtype=float)[:, None] * span
-    keys = combined + limit
-    keys += offsets  # (combined + limit) + offsets
-    combined += offsets  # the rows made disjoint
-    found = np.searchsorted(combined.ravel(), keys.ravel(), side="right").reshape(combined.shape)
-    found -= 1
-    found -= np.arange(len(counts))[:, None] * (num_entries + 1)
+    reach = _search_rows(static_prefix, act_prefix, counts, limit, span)
     starts = np.arange(num_entries + 1)[None, :]
-    reach = np.maximum(found, starts, out=found)
+    np.maximum(reach, starts, out=reach)
     np.minimum(reach, num_entries, out=reach)
     if exact:
         return reach
@@ -145,4 +136,31 @@ def memory_reach(
         if not grow.any() and not shrink.any():
             break
         reach = reach + grow - shrink
+    return reach
+
+
+_BLOCK = 16
+"""Stages per searchsorted call: keeps each temporary small (16 x 257 float64 = 33 KB at L = 256), so
+repeated solves reuse heap memory instead of faulting fresh pages in for every large array."""
+
+
+def _search_rows(static_prefix, act_prefix, counts, limit, span: float) -> np.ndarray:
+    """found[c, a] - 1: the last b with combined[c, b] <= combined[c, a] + limit[c], c's rows offset by c * span.
+
+    Row c's values lie in [c * span, (c + 1) * span) and so does each of its keys, so a
+    search within a block of rows gives the same position as one over all rows.
+    """
+    num_rows, width = len(counts), len(static_prefix)
+    reach = np.empty((num_rows, width), dtype=np.intp)
+    offsets = np.arange(num_rows, dtype=float)[:, None] * span
+    for first in range(0, num_rows, _BLOCK):
+        part = slice(first, first + _BLOCK)
+        combined = counts[part] * act_prefix[None, :]
+        combined += static_prefix[None, :]
+        keys = combined + limit[part]
+        keys += offsets[part]  # (combined + limit) + offset
+        combined += offsets[part]
+        found = np.searchsorted(combined.ravel(), keys.ravel(), side="right")
+        reach[part] = found.reshape(combined.shape)
+    reach -= (np.arange(num_rows) % _BLOCK)[:, None] * width + 1
     return reach
