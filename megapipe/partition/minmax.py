@@ -69,7 +69,8 @@ class _Probe:
         self.largest = [segment_cost(stage, stage.single_desc[0], stage.single_desc[0] + 1) for stage in stages]
         # The hot loop's per-stage fields, unpacked once per solve rather than once per probe and stage.
         self.rows = [
-            (stage, largest, stage.mem_blocked, stage.mem_reach, stage.prefix, stage.scale, stage.offset)
+            (stage, largest, stage.mem_blocked, len(stage.mem_blocked), stage.mem_reach, stage.prefix, stage.scale,
+             stage.offset)
             for stage, largest in zip(stages, self.largest)
         ]
 
@@ -79,14 +80,15 @@ class _Probe:
         history = [reach]
         next_bound = _INF
         max_pos = self.num_entries - len(self.stages)
-        for stage, largest, blocked, mem_reach, prefix, scale, offset in self.rows:
+        single = True  # reach holds one interval
+        for stage, largest, blocked, num_blocked, mem_reach, prefix, scale, offset in self.rows:
             max_pos += 1  # num_entries - (stages after this one)
-            if len(reach) == 1 and largest <= bound:
+            if single and largest <= bound:
                 low, high = reach[0]
                 # Reachable stops never pass the previous stage's max_pos, so low <= high <= max_pos - 1 and
                 # "no blocked entry in [low, high]" reads: the first blocked entry >= low lies past high.
-                first = bisect_left(blocked, low) if blocked else 0
-                if first == len(blocked) or blocked[first] > min(high, max_pos - 1):
+                first = bisect_left(blocked, low) if num_blocked else 0
+                if first == num_blocked or blocked[first] > (high if high < max_pos else max_pos - 1):
                     # Common case: every entry that could end here fits this stage alone: one interval stays one.
                     # This is _jump inlined (the probe's hot loop).
                     if high + 2 > max_pos:
@@ -119,6 +121,7 @@ class _Probe:
                 next_bound = change
             if not reach:
                 return None, next_bound
+            single = len(reach) == 1
             history.append(reach)
         if reach[-1][1] != self.num_entries:
             return None, next_bound
