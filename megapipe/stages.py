@@ -40,13 +40,19 @@ def stage_specs(
     pipeline_model_parallel_size: int,
     reference: GpuSpec | None = None,
     gpus: tuple[GpuSpec, ...] | None = None,
+    time_scales: dict[str, float] | None = None,
 ) -> tuple[StageSpec, ...]:
-    """One StageSpec per pipeline rank; ``gpus`` overrides the default placement."""
+    """One StageSpec per pipeline rank; ``gpus`` overrides the default placement.
+
+    ``time_scales`` (GPU name -> scale) overrides the datasheet ratio of :func:`time_scale`,
+    e.g. with the ratio of the cost model's per-layer times on each GPU, as the planner uses.
+    """
     reference = reference or cluster.gpu
     placed = gpus or position_gpus(cluster, pipeline_model_parallel_size)
     if len(placed) != pipeline_model_parallel_size:
         raise ConfigError(f"{len(placed)} GPU types given for pipeline_model_parallel_size={pipeline_model_parallel_size}")
     return tuple(
-        StageSpec(time_scale=time_scale(gpu, reference), memory_bytes=gpu.usable_memory_bytes, gpu_name=gpu.name)
+        StageSpec(time_scale=(time_scales or {}).get(gpu.name, time_scale(gpu, reference)),
+                  memory_bytes=gpu.usable_memory_bytes, gpu_name=gpu.name)
         for gpu in placed
     )

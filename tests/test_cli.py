@@ -87,3 +87,20 @@ def test_profile_of_another_model_is_refused(tmp_path, command):
     out = megapipe(command, "model=llama3_8b", f"profile={path}", cwd=tmp_path)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "decoder layers" in out.stderr and "num_layers=32" in out.stderr
+
+
+def test_mixed_cluster_time_scales_agree_with_the_planner():
+    """partition/simulate and the planner price a slower GPU type the same way: modelled layer-time ratios."""
+    from megapipe.commands.partition import setup_profile, setup_stage_specs
+    from megapipe.plan.evaluate import Evaluator
+    from megapipe.plan.records import Candidate
+
+    setup = to_setup(compose(["cluster=mixed_h100_a100"]))
+    specs = setup_stage_specs(setup, setup_profile(setup))
+    evaluator = Evaluator(model=setup.model, cluster=setup.cluster)
+    cand = Candidate(parallel=setup.parallel, train=setup.train, schedule="1f1b")
+    planner = evaluator.stage_specs(cand, tuple(g.gpu for g in setup.cluster.node_groups
+                                                for _ in range(4)))  # 8 stages: 4 per node group
+    assert [s.gpu_name for s in specs] == [s.gpu_name for s in planner]
+    assert [s.time_scale for s in specs] == pytest.approx([s.time_scale for s in planner], rel=1e-9)
+    assert specs[0].time_scale == pytest.approx(1.0) and specs[-1].time_scale > 1.5

@@ -27,7 +27,7 @@ from megapipe.simulate import P2PCost, SimResult, StageTimes, simulate
 from megapipe.simulate import inputs as simulate_inputs
 from megapipe.stages import stage_specs
 
-__all__ = ["run", "matched_profile", "setup_profile", "stage_times", "pipeline_p2p"]
+__all__ = ["run", "matched_profile", "setup_profile", "setup_stage_specs", "stage_times", "pipeline_p2p"]
 
 GIB = 2**30
 
@@ -48,6 +48,23 @@ def setup_profile(setup: Setup) -> Profile:
         return matched_profile(setup)
     return cost.layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster,
                             parallel=setup.parallel, train=setup.train)
+
+
+def setup_stage_specs(setup: Setup, profile: Profile, *, pipeline_model_parallel_size: int | None = None):
+    """StageSpecs for the setup's cluster. On a mixed cluster costed by the cost model, each GPU type's
+    time_scale is the ratio of its modelled layer times to the reference GPU's, as in the planner."""
+    pp = pipeline_model_parallel_size or setup.parallel.pipeline_model_parallel_size
+    scales = None
+    if setup.cluster.is_heterogeneous and not setup.profile_path:
+        reference_ms = _total_ms(profile)
+        scales = {group.gpu.name: _total_ms(cost.layer_costs(model=setup.model, gpu=group.gpu, cluster=setup.cluster,
+                                                             parallel=setup.parallel, train=setup.train)) / reference_ms
+                  for group in setup.cluster.node_groups}
+    return stage_specs(setup.cluster, pipeline_model_parallel_size=pp, time_scales=scales)
+
+
+def _total_ms(profile: Profile) -> float:
+    return sum(layer.fwd_ms + layer.bwd_ms for layer in profile.layers)
 
 
 def stage_times(profile: Profile, part: Partition, specs: tuple[StageSpec, ...], stage_to_rank) -> StageTimes:
@@ -157,7 +174,7 @@ def _describe_stage(kinds) -> str:
 def run(cfg: DictConfig) -> None:
     setup = to_setup(cfg)
     profile = setup_profile(setup)
-    specs = stage_specs(setup.cluster, pipeline_model_parallel_size=setup.parallel.pipeline_model_parallel_size)
+    specs = setup_stage_specs(setup, profile)
     optimal, optimal_sim = _solve_and_simulate(setup, profile, specs, method="optimal")
     equal, equal_sim = _solve_and_simulate(setup, profile, specs, method="equal")
     result = result_dict(setup, optimal, optimal_sim, equal, equal_sim)

@@ -60,12 +60,11 @@ def times_from_triples(triples, *, schedule: Schedule) -> StageTimes:
 
 def _model_times(setup: Setup, schedule: Schedule, chunks: int, notes: list[str]) -> tuple[StageTimes, P2PCost]:
     """Stage times of the optimal partition (memory-checked when it fits) and the cluster's p2p cost."""
-    from megapipe.commands.partition import pipeline_p2p, setup_profile, stage_times
+    from megapipe.commands.partition import pipeline_p2p, setup_profile, setup_stage_specs, stage_times
     from megapipe.partition import solve
-    from megapipe.stages import stage_specs
 
     profile = setup_profile(setup)
-    specs = stage_specs(setup.cluster, pipeline_model_parallel_size=schedule.pipeline_model_parallel_size)
+    specs = setup_stage_specs(setup, profile, pipeline_model_parallel_size=schedule.pipeline_model_parallel_size)
     kwargs = dict(num_microbatches=schedule.num_microbatches, schedule=schedule.name,
                   virtual_pipeline_model_parallel_size=chunks,
                   microbatch_group_size_per_vp_stage=schedule.microbatch_group_size_per_vp_stage)
