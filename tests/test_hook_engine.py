@@ -140,13 +140,17 @@ def test_intervals_partition_the_measured_wall(ranks, name):
             assert step.bubble_ms >= 0 and step.other_ms >= 0
             assert step.compute_ms + step.p2p_wait_ms <= step.wall_ms
             assert step.compute_ms + step.p2p_wait_ms + step.other_ms == pytest.approx(step.wall_ms, rel=1e-9)
-    # The forward-backward timer spans the whole schedule call. Each harness call also
-    # holds the hook's end-of-step all_gather, which waits for the slowest rank, so the
-    # longest rank's wall must equal the shortest harness wall (warm-up step skipped).
+    # The forward-backward timer runs inside each harness call, so no rank's hook wall can
+    # exceed its own harness wall. The hook's end-of-step all_gather waits for the slowest
+    # rank, so that rank's harness call ends just after its schedule; hence the longest hook
+    # wall is within a small margin of the shortest harness wall from below. (Which rank
+    # starts later is up to the OS, so the two are not equal on a busy 2-core machine.)
     for step in range(1, len(ranks[0][name]["wall_s"])):
+        for rank in ranks:
+            assert rank[name]["reports"][step].rank.wall_ms <= rank[name]["wall_s"][step] * 1e3 + 0.5
         hook_wall_ms = max(rank[name]["reports"][step].rank.wall_ms for rank in ranks)
         harness_wall_ms = min(rank[name]["wall_s"][step] for rank in ranks) * 1e3
-        assert hook_wall_ms == pytest.approx(harness_wall_ms, rel=0.02)
+        assert hook_wall_ms >= 0.98 * harness_wall_ms
 
 
 def test_wrapped_megatron_timers_keep_working(ranks):
