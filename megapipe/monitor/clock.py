@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 __all__ = ["HostClock", "CudaEventClock", "IntervalRing"]
+
+_NAN = float("nan")
 
 
 class HostClock:
@@ -33,8 +34,8 @@ class HostClock:
     def now(self) -> float:
         return time.perf_counter()
 
-    def to_ms(self, marks: np.ndarray) -> np.ndarray:
-        return marks * 1e3
+    def to_ms(self, marks: list[float]) -> list[float]:
+        return [mark * 1e3 for mark in marks]
 
 
 class CudaEventClock:
@@ -57,40 +58,46 @@ class CudaEventClock:
         self._next = index + 1
         return float(index)
 
-    def to_ms(self, marks: np.ndarray) -> np.ndarray:
+    def to_ms(self, marks: list[float]) -> list[float]:
         """Milliseconds since the step's first mark; waits for the last recorded event."""
         if self._next == 0:
-            return marks.astype(float)
+            return [float(m) for m in marks]
         self._events[self._next - 1].synchronize()
         first = self._events[0]
-        return np.array([first.elapsed_time(self._events[int(m)]) if m >= 0 else np.nan for m in marks])
+        return [first.elapsed_time(self._events[int(m)]) if m >= 0 else _NAN for m in marks]
 
 
 class IntervalRing:
-    """Closed intervals (start mark, end mark, kind) of one step, in fixed arrays."""
+    """Closed intervals (start mark, end mark, kind) of one step, in lists sized at attach time.
+
+    Plain lists, not numpy arrays: a list item store is several times cheaper
+    than a numpy scalar store, and the hook writes two per timer call.
+    """
 
     def __init__(self, *, capacity: int, num_slots: int) -> None:
         self.capacity = capacity
-        self.starts = np.zeros(capacity)
-        self.ends = np.zeros(capacity)
-        self.kinds = np.zeros(capacity, dtype=np.int8)
-        self.open_marks = np.full(num_slots, np.nan)
+        self.starts = [0.0] * capacity
+        self.ends = [0.0] * capacity
+        self.kinds = [0] * capacity
+        self._closed = [_NAN] * num_slots
+        self.open_marks = list(self._closed)
         self.count = 0
         self.overflowed = False
 
     def clear(self) -> None:
         self.count = 0
         self.overflowed = False
-        self.open_marks.fill(np.nan)
+        self.open_marks[:] = self._closed
 
     def open(self, slot: int, mark: float) -> None:
         self.open_marks[slot] = mark
 
     def close(self, slot: int, kind: int, mark: float) -> None:
-        start = self.open_marks[slot]
+        marks = self.open_marks
+        start = marks[slot]
         if start != start:  # a stop without a start (hook attached mid-step): nothing to record
             return
-        self.open_marks[slot] = np.nan
+        marks[slot] = _NAN
         index = self.count
         if index >= self.capacity:
             self.overflowed = True

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
 from megapipe.errors import ConfigError
 from megapipe.monitor.clock import CudaEventClock, HostClock, IntervalRing
@@ -44,7 +43,7 @@ from megapipe.monitor.metrics import (
     row_size,
     unpack_row,
 )
-from megapipe.monitor.predict import predict_bubble
+from megapipe.monitor.predict import load_simulator, predict_bubble
 from megapipe.monitor.proxy import TimersProxy
 
 __all__ = ["HookReport", "ScheduleHook", "attach"]
@@ -117,6 +116,7 @@ class ScheduleHook:
         self._gather_buffers = None
         if group is not None:
             self._gather_buffers = _gather_buffers(group, row_size(self.num_model_chunks), gather_device)
+            load_simulator()  # import it now, not inside the first step that publishes (tens of ms)
         self._proxies = [TimersProxy(self, cfg.timers) for cfg in self._configs]
         for cfg, proxy in zip(self._configs, self._proxies):
             cfg.timers = proxy
@@ -154,16 +154,17 @@ class ScheduleHook:
                 logger.warning("schedule hook: more than capacity=%d timer intervals in one step; "
                                "step skipped, pass a larger capacity to attach()", ring.capacity)
             return None
-        marks = np.concatenate(([self._step_start, end], ring.starts[:count], ring.ends[:count]))
-        times = self._clock.to_ms(marks)
-        order = np.argsort(times[2 : 2 + count], kind="stable")
+        times = self._clock.to_ms([self._step_start, end, *ring.starts[:count], *ring.ends[:count]])
+        starts, ends = times[2 : 2 + count], times[2 + count :]
+        order = sorted(range(count), key=starts.__getitem__)  # stable: ties keep recording order
         self._step_start = float("nan")
+        kinds = ring.kinds
         return derive_step(
-            step_start=float(times[0]),
-            step_end=float(times[1]),
-            starts=times[2 : 2 + count][order].tolist(),
-            ends=times[2 + count :][order].tolist(),
-            kinds=ring.kinds[:count][order].tolist(),
+            step_start=times[0],
+            step_end=times[1],
+            starts=[starts[i] for i in order],
+            ends=[ends[i] for i in order],
+            kinds=[kinds[i] for i in order],
             num_model_chunks=self.num_model_chunks,
             microbatch_group_size=self.microbatch_group_size,
         )

@@ -37,6 +37,7 @@ __all__ = [
     "BubblePrediction",
     "default_schedule",
     "closed_form_bubble_fraction",
+    "load_simulator",
     "predict_bubble",
     "simulated_bubble_fraction",
 ]
@@ -68,7 +69,8 @@ def closed_form_bubble_fraction(*, pipeline_model_parallel_size: int, num_microb
     return (pp - 1) / (num_model_chunks * num_microbatches + pp - 1)
 
 
-def _simulator():
+def load_simulator():
+    """Import the simulator's parts (None when unavailable); the hook calls it at attach time."""
     try:
         from megapipe.simulate import P2PCost, StageTimes, simulate
         try:
@@ -94,7 +96,7 @@ def predict_bubble(
     """
     pp, chunks, m = metrics.pipeline_model_parallel_size, metrics.num_model_chunks, metrics.num_microbatches
     dispatch = metrics.dispatch_ms if charge_dispatch else 0.0
-    parts = _simulator()
+    parts = load_simulator()
     if parts is None:
         closed = closed_form_bubble_fraction(pipeline_model_parallel_size=pp, num_microbatches=m, num_model_chunks=chunks)
         return BubblePrediction(bubble_fraction=closed, source="closed_form", step_time_ms=None,
