@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 
-
 __all__ = ["HostClock", "CudaEventClock", "IntervalRing"]
 
 _NAN = float("nan")

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-
 from megapipe.errors import ConfigError
 from megapipe.monitor.clock import CudaEventClock, HostClock, IntervalRing
 from megapipe.monitor.metrics import (
