@@ -7,7 +7,10 @@ GPT on CPU). Blocks of ``--steps`` steps without the monitor (the yardstick)
 alternate with blocks with it (schedule hook + ``step_end`` after every step,
 metrics and JSONL every ``--log-every`` steps, topology check off), the order
 flipping every round so slow drift does not favour either. A block's figure is
-its wall time per step on the slower rank. Printed: each variant's median over
+its wall time per step on the slower rank, timed from a barrier that lines the
+ranks up, so both variants start level (the last stage ends each step before
+the first stage, and only the monitor's end-of-window gather lines them up at
+a block's end). Printed: each variant's median over
 rounds; the paired ratio (with / without in the same round), its mean with a 95%
 confidence interval over rounds (normal approximation), so one can see whether
 the machine's noise resolves a 1% overhead; and the time spent inside
@@ -29,6 +32,8 @@ import _megatron_cpu as mc  # noqa: E402
 
 
 def _block(models, *, steps, monitor_kwargs, microbatches):
+    import torch
+
     from megapipe.monitor.monitor import attach_monitor
 
     mon = attach_monitor(models, **monitor_kwargs) if monitor_kwargs is not None else None
@@ -45,6 +50,7 @@ def _block(models, *, steps, monitor_kwargs, microbatches):
 
     if mon is not None:
         mon.train_start()
+    torch.distributed.barrier()  # every block starts with the ranks level (see the module docstring)
     start, cpu = time.perf_counter(), time.process_time()
     mc.train_steps(models, num_steps=steps, num_microbatches=microbatches, micro_batch_size=2, seq_length=64,
                    between_steps=between)
