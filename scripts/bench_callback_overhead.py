@@ -75,10 +75,11 @@ def _account(hook, inside) -> None:
         setattr(hook, name, timed(getattr(hook, name)))
 
 
-def _bench(rank, world_size, rounds, steps, log_every, log_dir):
+def _bench(rank, world_size, rounds, steps, log_every, log_dir, sleep_ms):
     with mc.megatron_cpu():
         mc.init_model_parallel(pipeline_model_parallel_size=2)
-        models = mc.build_gpt_chunks(layout=None, num_layers=4, hidden_size=64, seq_length=64)
+        delays = mc.UnitDelays(decoder=(sleep_ms, 2 * sleep_ms))
+        models = mc.build_gpt_chunks(layout=None, num_layers=4, hidden_size=64, seq_length=64, delays_ms=delays)
         kwargs = dict(log_every=log_every, topology_check=False, log_dir=log_dir, tokens_per_step=8 * 2 * 64)
         _block(models, steps=2, monitor_kwargs=None, microbatches=8)  # warm-up
         out = {"without": [], "with": [], "inside": [], "hook": [], "cpu_without": [], "cpu_with": []}
@@ -103,9 +104,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--sleep-ms", type=float, default=0.0,
+                        help="sleep this long per decoder layer in forward (twice in backward) per microbatch: "
+                             "controlled op times that leave the cores idle, for a low-noise step")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as log_dir:
-        ranks = mc.run_ranks(_bench, world_size=2, args=(args.rounds, args.steps, args.log_every, log_dir),
+        ranks = mc.run_ranks(_bench, world_size=2, args=(args.rounds, args.steps, args.log_every, log_dir, args.sleep_ms),
                              timeout_s=900)
     blocks = {key: [max(r[key][i] for r in ranks) for i in range(args.rounds)] for key in ("without", "with", "inside", "hook")}
     without, with_ = statistics.median(blocks["without"]) * 1e3, statistics.median(blocks["with"]) * 1e3
