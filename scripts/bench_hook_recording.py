@@ -10,11 +10,20 @@ the same calls on a ``config.timers`` that returns a no-op timer (the cheapest
 thing Megatron could be calling). Prints microseconds per pair for both, with
 and without step ends, and the ratio to the yardstick. One thread; best of
 ``--repeats``.
+
+Also prints what importing the simulator costs in a fresh interpreter that has
+already imported the hook (the import ``attach`` now does up front instead of
+inside the first step that gathers), against that interpreter's import of the
+hook module itself as the yardstick. Bytecode caching changes both, so the run
+reports ``sys.dont_write_bytecode``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import time
 
 from megapipe.monitor.clock import HostClock
@@ -55,6 +64,26 @@ def _drive(timers, pairs: int, per_step: int) -> float:
     return (time.perf_counter() - start) / pairs * 1e6
 
 
+_IMPORTS = """
+import time
+start = time.perf_counter()
+import megapipe.monitor.hook
+hook = time.perf_counter() - start
+start = time.perf_counter()
+from megapipe.monitor.predict import load_simulator
+assert load_simulator() is not None
+print(hook, time.perf_counter() - start)
+"""
+
+
+def _import_ms() -> tuple[float, float]:
+    """(hook module import, simulator import after it) in ms, in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", _IMPORTS], check=True, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    hook, simulator = (float(x) * 1e3 for x in out.stdout.split())
+    return hook, simulator
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=200_000)
@@ -73,6 +102,11 @@ def main() -> None:
         null = min(_drive(null_timers, args.pairs, per_step) for _ in range(args.repeats))
         print(f"{label}: hook {hook:.3f} us/pair, no-op timers (yardstick) {null:.3f} us/pair, "
               f"ratio {hook / null:.2f}x, hook's own cost {hook - null:.3f} us/pair")
+    runs = [_import_ms() for _ in range(args.repeats)]
+    hook_ms, simulator_ms = min(r[0] for r in runs), min(r[1] for r in runs)
+    print(f"fresh interpreter (dont_write_bytecode={sys.dont_write_bytecode}): import megapipe.monitor.hook "
+          f"{hook_ms:.1f} ms (yardstick), then the simulator {simulator_ms:.1f} ms = {simulator_ms / hook_ms:.2f}x; "
+          f"best of {args.repeats}")
 
 
 if __name__ == "__main__":
