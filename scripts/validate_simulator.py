@@ -126,8 +126,8 @@ def main() -> None:
     results = run_pipeline(cases, steps=args.steps, warmup_steps=1)
     wall_s = time.perf_counter() - started
     header = (
-        f"| torch schedule | simulated order | measured step ms | predicted step ms | ratio | "
-        f"measured bubble | predicted bubble | Δ bubble | dispatch ms/op | p2p ms |"
+        "| torch schedule | simulated order | measured step ms | predicted step ms | ratio | "
+        "measured bubble | predicted bubble | Δ bubble | dispatch ms/op | p2p ms |"
     )
     print(header)
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -99,7 +99,6 @@ def build_gpt(*, model: ModelSpec, train: TrainSpec, parallel: ParallelSpec, dty
     swiglu models are built llama-style (RMSNorm, no linear biases), gelu models GPT-style
     (LayerNorm, biases), as ModelSpec has no separate normalization field.
     """
-    import torch
     import torch.nn.functional as functional
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

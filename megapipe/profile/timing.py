@@ -109,7 +109,7 @@ def _time_passes(unit: Unit, clock: _Clock, params: list, *, warmup: int, iters:
     for index in range(warmup + iters):
         fwd_ms, output = clock.time_ms(unit.forward)
         grad = torch.ones_like(output) if output.dim() == 0 else torch.randn_like(output)
-        bwd_ms, _ = clock.time_ms(lambda: torch.autograd.backward(output, grad))
+        bwd_ms, _ = clock.time_ms(lambda out=output, g=grad: torch.autograd.backward(out, g))
         for param in params:
             param.grad = None
         del output, grad
