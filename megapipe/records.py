@@ -267,7 +267,8 @@ class Partition:
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int = 1
     num_microbatches: int = 1
-    schedule: str = "1f1b"
+    schedule: str
+    """The schedule the in-flight counts and stage placement are for (a ``megapipe.schedules`` name)."""
     method: str = "optimal"
     """optimal (exact min-max), equal (Megatron's uniform split) or parameters (DeepSpeed's)."""
     fits_memory: bool = True

@@ -21,7 +21,8 @@ from megapipe.monitor.metrics import (
     schedule_chunks,
     unpack_row,
 )
-from megapipe.monitor.predict import closed_form_bubble_fraction, predict_bubble, simulated_bubble_fraction
+from megapipe.monitor.predict import predict_bubble
+from megapipe.simulate.bubble import closed_form_bubble
 
 
 @settings(max_examples=60, deadline=None)
@@ -90,17 +91,16 @@ def test_dispatch_overhead_closed_form(pp, m, dispatch):
     assert prediction.dispatch_ms == dispatch and prediction.step_time_ms == pytest.approx(step)
     assert prediction.bubble_fraction == pytest.approx(1 - m * (fwd + bwd) / step)
     plain = predict_bubble(combine_rows(ranks, num_model_chunks=1), charge_dispatch=False)
-    assert plain.bubble_fraction == pytest.approx(closed_form_bubble_fraction(pipeline_model_parallel_size=pp, num_microbatches=m))
+    assert plain.bubble_fraction == pytest.approx(closed_form_bubble("1f1b", pipeline_model_parallel_size=pp, num_microbatches=m))
 
 
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (3, 3)])
 def test_combined_bubble_equals_closed_form_and_simulator(pp, m):
     ranks = [_one_f_one_b_rank(rank=r, pp=pp, m=m, fwd=1.0, bwd=2.0) for r in range(pp)]
     pipeline = combine_rows(ranks, num_model_chunks=1)
-    closed = closed_form_bubble_fraction(pipeline_model_parallel_size=pp, num_microbatches=m)
+    closed = closed_form_bubble("1f1b", pipeline_model_parallel_size=pp, num_microbatches=m)
     assert pipeline.bubble_fraction == pytest.approx(closed)
-    simulated, source = simulated_bubble_fraction(pipeline)
-    assert source == "simulator" and simulated == pytest.approx(closed)
+    assert predict_bubble(pipeline).bubble_fraction == pytest.approx(closed)
 
 
 def test_combine_orders_virtual_stages_vp_major():

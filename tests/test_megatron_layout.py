@@ -24,7 +24,7 @@ def emitted_layout(layout: str, *, pp: int, vp: int = 1) -> str:
         layers_per_stage=tuple(map(len, stages)), stage_kinds=stages, stage_time_ms=(1.0,) * n,
         stage_static_bytes=(0.0,) * n, stage_act_bytes=(0.0,) * n, stage_in_flight=(1,) * n,
         stage_memory_bytes=(0.0,) * n, layout=format_layout(stages), pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vp,
+        virtual_pipeline_model_parallel_size=vp, schedule="interleaved_1f1b" if vp > 1 else "1f1b",
     )  # fmt: skip
     parallel = ParallelSpec(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
     return emit(partition=partition, parallel=parallel, train=TrainSpec()).layout

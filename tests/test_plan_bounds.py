@@ -105,8 +105,8 @@ def test_bound_layers_hold_the_profiles_numbers():
 
 
 def test_bound_classes_share_bounds():
-    """Schedules of one BOUND_CLASS, at any virtual size, get the same bounds: the search bounds each class once."""
-    from megapipe.plan.bounds import BOUND_CLASS
+    """Schedules of one spec bound_class, at any virtual size, get the same bounds: the search bounds each class once."""
+    from megapipe.schedules import spec
 
     cluster = _cluster(80.0)
     options = SearchOptions(micro_batch_sizes=(1, 2), max_virtual_pipeline_model_parallel_size=4,
@@ -121,7 +121,7 @@ def test_bound_classes_share_bounds():
         bound = Evaluator(model=model, cluster=cluster, options=options).bound(cand)
         assert evaluator.bound(cand) == bound
         assert evaluator.memory_bound_of(cand) == bound.memory_bytes
-        key = cand.layer_key + (cand.parallel.data_parallel_size, BOUND_CLASS[cand.schedule], cand.per_stage_recompute)
+        key = cand.layer_key + (cand.parallel.data_parallel_size, spec(cand.schedule).bound_class, cand.per_stage_recompute)
         if key in seen:
             assert seen[key] == bound, (cand, key)
             shared += 1

@@ -19,9 +19,10 @@ from megapipe.commands.partition import matched_profile
 from megapipe.config import to_setup
 from megapipe.errors import ConfigError
 from megapipe.plan.document import json_summary, plan_document
-from megapipe.plan.records import SCHEDULES, SearchOptions, SearchResult
+from megapipe.plan.records import SearchOptions, SearchResult
 from megapipe.plan.search import search
 from megapipe.profile.format import Profile, atomic_write_text
+from megapipe.schedules import SCHEDULE_NAMES
 
 __all__ = ["run", "precheck", "search_options", "search_inputs", "write_plan_dir", "print_plans"]
 
@@ -79,8 +80,8 @@ def search_inputs(cfg: DictConfig):
         probe.train.num_microbatches = 1
     schedule = probe.schedule.get("name")
     if schedule not in (None, "all"):
-        if schedule not in SCHEDULES:
-            raise ConfigError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)} or all")
+        if schedule not in SCHEDULE_NAMES:
+            raise ConfigError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULE_NAMES)} or all")
         fixed["schedule"] = schedule
     setup = to_setup(probe)
     if "recompute_granularity" in fixed:

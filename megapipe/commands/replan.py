@@ -28,6 +28,7 @@ from megapipe.config import Setup, to_setup
 from megapipe.errors import ConfigError
 from megapipe.profile.format import Profile, atomic_write_text
 from megapipe.profile.match import match_profile
+from megapipe.schedules import megatron_schedule
 from megapipe.replan import ATTRIBUTIONS, MeasuredRun, Replan, measured_run, replan
 from megapipe.stages import stage_specs
 
@@ -89,7 +90,7 @@ def _config_setup(cfg: DictConfig, measured: MeasuredRun) -> Setup:
     if from_log:
         probe.train.num_microbatches = measured.num_microbatches
     if probe.schedule.get("name") is None:
-        probe.schedule.name = "1f1b" if stages == measured.pipeline_model_parallel_size else "interleaved_1f1b"
+        probe.schedule.name = str(megatron_schedule(stages // measured.pipeline_model_parallel_size))
     setup = to_setup(probe)
     if from_log:  # the emitted global batch must agree with the run's micro-batches
         batch = setup.num_microbatches * setup.train.micro_batch_size * setup.parallel.data_parallel_size

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megapipe.config import Setup, to_setup
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError
-from megapipe.schedules import SCHEDULE_NAMES, Schedule, build, chunks_per_rank
+from megapipe.schedules import SCHEDULE_NAMES, Schedule, build, chunks_per_rank, spec
 from megapipe.simulate import P2PCost, SimResult, StageTimes, simulate
 from megapipe.simulate.bubble import WRITEUP_PERCENT, closed_form_bubble
 
@@ -80,7 +80,7 @@ def _chunks(name: str, setup: Setup) -> int:
     """A virtual size the user gave is used as given (the builder checks it); otherwise the schedule's own."""
     if "virtual_pipeline_model_parallel_size" in setup.fixed and setup.schedule != "all":
         return setup.parallel.virtual_pipeline_model_parallel_size
-    if name == "interleaved_1f1b" and "virtual_pipeline_model_parallel_size" not in setup.fixed:
+    if spec(name).fixed_chunks is None and "virtual_pipeline_model_parallel_size" not in setup.fixed:
         return 2
     return chunks_per_rank(name, setup.parallel.virtual_pipeline_model_parallel_size)
 

@@ -31,6 +31,7 @@ from megapipe.records import (
     Recompute,
     TrainSpec,
 )
+from megapipe.schedules import ScheduleName
 
 __all__ = ["Setup", "conf_dir", "compose", "to_setup", "DEFAULT_FILL", "SEARCHABLE"]
 
@@ -41,7 +42,7 @@ DEFAULT_FILL = {
     "context_parallel_size": 1,
     "micro_batch_size": 1,
     "recompute_granularity": "none",
-    "schedule": "1f1b",
+    "schedule": ScheduleName.one_f_one_b,
 }
 """What a null search dimension means outside ``megapipe plan``."""
 

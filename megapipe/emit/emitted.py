@@ -11,12 +11,9 @@ from megapipe.emit.stages import StageKinds, decoder_counts, equal_stage_kinds, 
 from megapipe.errors import ConfigError
 from megapipe.layout import format_layout, parse_layout
 from megapipe.records import LayerKind, ParallelSpec, Partition, TrainSpec
+from megapipe.schedules import Placement, spec
 
-__all__ = ["Emitted", "emit", "megatron_schedule_warnings", "MEGATRON_SCHEDULES"]
-
-MEGATRON_SCHEDULES = ("1f1b", "interleaved_1f1b")
-"""What megatron-core 0.16-0.19 ``get_forward_backward_func()`` runs for pipeline_model_parallel_size > 1."""
-_V_SHAPED = ("zb_v", "dualpipe_v")
+__all__ = ["Emitted", "emit", "megatron_schedule_warnings"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,11 +113,12 @@ def _nemo1_warnings(stage_kinds: StageKinds, parallel: ParallelSpec) -> list[str
 def megatron_schedule_warnings(*, schedule: str, pipeline_model_parallel_size: int,
                                virtual_pipeline_model_parallel_size: int) -> tuple[str, ...]:
     """What Megatron runs instead of a schedule megatron-core lacks, and a V placement its layout cannot express."""
-    if schedule in MEGATRON_SCHEDULES or pipeline_model_parallel_size == 1:
+    item = spec(schedule)
+    if item.megatron_runs or pipeline_model_parallel_size == 1:
         return ()
     runs = "interleaved 1F1B" if virtual_pipeline_model_parallel_size > 1 else "1F1B"
     warnings = [f"megatron-core has no {schedule} schedule; Megatron will run this layout with {runs}"]
-    if schedule in _V_SHAPED:
+    if item.placement is Placement.v:
         warnings.append(
             f"the {schedule} V-shaped placement (rank r holds stages r and 2P-1-r) cannot be expressed: "
             "Megatron's layout puts stage s on rank s mod pipeline_model_parallel_size"

@@ -42,7 +42,7 @@ from megapipe.monitor.metrics import (
     row_size,
     unpack_row,
 )
-from megapipe.monitor.predict import load_simulator, predict_bubble
+from megapipe.monitor.predict import predict_bubble
 from megapipe.monitor.proxy import TimersProxy
 
 __all__ = ["HookReport", "ScheduleHook", "attach"]
@@ -66,8 +66,6 @@ class HookReport:
     measured_bubble_fraction: float | None
     simulated_bubble_fraction: float | None
     """megapipe's simulator fed with the measured per-stage F/B times, per-op dispatch and p2p latency."""
-    simulated_source: str | None
-    """``simulator`` or ``closed_form`` (equal-stage formula when the simulator is unavailable)."""
     plan_bubble_fraction: float | None
     simulated_step_ms: float | None = None
     """The simulator's step for the measured window (compare with ``pipeline.makespan_ms``)."""
@@ -115,7 +113,6 @@ class ScheduleHook:
         self._gather_buffers = None
         if group is not None:
             self._gather_buffers = _gather_buffers(group, row_size(self.num_model_chunks), gather_device)
-            load_simulator()  # import it now, not inside the first step that publishes (tens of ms)
         self._proxies = [TimersProxy(self, cfg.timers) for cfg in self._configs]
         for cfg, proxy in zip(self._configs, self._proxies):
             cfg.timers = proxy
@@ -232,7 +229,7 @@ class ScheduleHook:
         report = HookReport(
             step=self._steps, rank=local, pipeline=pipeline, measured_bubble_fraction=measured,
             simulated_bubble_fraction=prediction and prediction.bubble_fraction,
-            simulated_source=prediction and prediction.source, plan_bubble_fraction=self._plan,
+            plan_bubble_fraction=self._plan,
             simulated_step_ms=prediction and prediction.step_time_ms,
             dispatch_ms=prediction and prediction.dispatch_ms,
             p2p_latency_ms=prediction and prediction.p2p_latency_ms,

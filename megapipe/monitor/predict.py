@@ -22,9 +22,6 @@ loaded host each of those stretches costs 0.3-3 ms. Left out, the simulator put
 interleaved v=2 11-18% below the measured bubble; charged per op, within 10%
 (docs/validation.md, "Schedule hook on megatron-core"). The same charge is what
 made torch.distributed.pipelining runs match the simulator to 3%.
-
-When the simulator cannot be imported the closed form for equal stages,
-``(P - 1) / (v * m + P - 1)`` (Narayanan et al. 2021, Sec. 2.2), is used instead.
 """
 
 from __future__ import annotations
@@ -32,15 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapipe.monitor.metrics import PipelineMetrics
+from megapipe.schedules import build, megatron_schedule
+from megapipe.simulate import P2PCost, StageTimes, simulate
 
-__all__ = [
-    "BubblePrediction",
-    "default_schedule",
-    "closed_form_bubble_fraction",
-    "load_simulator",
-    "predict_bubble",
-    "simulated_bubble_fraction",
-]
+__all__ = ["BubblePrediction", "predict_bubble"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,38 +40,12 @@ class BubblePrediction:
     """The simulator's view of one measured window."""
 
     bubble_fraction: float
-    source: str
-    """``simulator``, or ``closed_form`` when megapipe's simulator is unavailable."""
-    step_time_ms: float | None
-    """Simulated step (None for the closed form)."""
+    step_time_ms: float
+    """Simulated step."""
     dispatch_ms: float
     """Overhead charged to every op."""
     p2p_latency_ms: float
     """Charged per message between neighbouring ranks."""
-
-
-def default_schedule(num_model_chunks: int) -> str:
-    """The schedule ``get_forward_backward_func()`` picks: interleaved with virtual stages, else 1F1B."""
-    return "interleaved_1f1b" if num_model_chunks > 1 else "1f1b"
-
-
-def closed_form_bubble_fraction(*, pipeline_model_parallel_size: int, num_microbatches: int, num_model_chunks: int = 1) -> float:
-    """(P - 1) / (v m + P - 1): the share of a flushed 1F1B/interleaved step spent idle, equal stages."""
-    pp = pipeline_model_parallel_size
-    return (pp - 1) / (num_model_chunks * num_microbatches + pp - 1)
-
-
-def load_simulator():
-    """Import the simulator's parts (None when unavailable); the hook calls it at attach time."""
-    try:
-        from megapipe.simulate import P2PCost, StageTimes, simulate
-        try:
-            from megapipe.schedules import build
-        except ImportError:
-            from megapipe.schedules.registry import build
-    except Exception:  # simulator missing or broken: fall back to the closed form
-        return None
-    return build, StageTimes, simulate, P2PCost
 
 
 def predict_bubble(
@@ -96,44 +62,23 @@ def predict_bubble(
     """
     pp, chunks, m = metrics.pipeline_model_parallel_size, metrics.num_model_chunks, metrics.num_microbatches
     dispatch = metrics.dispatch_ms if charge_dispatch else 0.0
-    parts = load_simulator()
-    if parts is None:
-        closed = closed_form_bubble_fraction(pipeline_model_parallel_size=pp, num_microbatches=m, num_model_chunks=chunks)
-        return BubblePrediction(bubble_fraction=closed, source="closed_form", step_time_ms=None,
-                                dispatch_ms=dispatch, p2p_latency_ms=p2p_latency_ms)
-    build, stage_times, simulate, p2p_cost = parts
     built = build(
-        schedule or default_schedule(chunks),
+        schedule or megatron_schedule(chunks),
         pipeline_model_parallel_size=pp,
         num_microbatches=m,
         virtual_pipeline_model_parallel_size=chunks,
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
     )
-    times = stage_times(
+    times = StageTimes(
         fwd_ms=tuple(f + dispatch for f in metrics.stage_forward_ms),
         bwd_ms=tuple(b + dispatch for b in metrics.stage_backward_ms),
         wgrad_ms=(0.0,) * len(metrics.stage_forward_ms),
     )
-    result = simulate(built, times, p2p=p2p_cost(latency_ms=p2p_latency_ms))
+    result = simulate(built, times, p2p=P2PCost(latency_ms=p2p_latency_ms))
     # the simulator's compute is the measured compute: stage means x microbatches
     compute_ms = m * (sum(metrics.stage_forward_ms) + sum(metrics.stage_backward_ms))
     total = pp * result.step_time_ms
     bubble = 1.0 - compute_ms / total if total > 0 else 0.0
-    return BubblePrediction(bubble_fraction=bubble, source="simulator", step_time_ms=result.step_time_ms,
+    return BubblePrediction(bubble_fraction=bubble, step_time_ms=result.step_time_ms,
                             dispatch_ms=dispatch, p2p_latency_ms=p2p_latency_ms)
 
-
-def simulated_bubble_fraction(
-    metrics: PipelineMetrics,
-    *,
-    schedule: str | None = None,
-    microbatch_group_size_per_vp_stage: int | None = None,
-    p2p_latency_ms: float = 0.0,
-    charge_dispatch: bool = True,
-) -> tuple[float, str]:
-    """(bubble fraction, source) of :func:`predict_bubble`."""
-    prediction = predict_bubble(
-        metrics, schedule=schedule, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-        p2p_latency_ms=p2p_latency_ms, charge_dispatch=charge_dispatch,
-    )
-    return prediction.bubble_fraction, prediction.source

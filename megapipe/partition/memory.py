@@ -14,19 +14,15 @@ import numpy as np
 
 from megapipe.errors import ConfigError
 from megapipe.records import LayerCost, StageSpec
+from megapipe.schedules import peak_in_flight, spec
 
-__all__ = ["V_SHAPED", "in_flight_counts", "stage_ranks", "chunk_memory_caps", "memory_reach"]
-
-V_SHAPED = frozenset({"zb_v", "dualpipe_v"})
-"""Schedules whose second chunk runs back up the ranks (Qi et al. 2024, ZB-V; DeepSeek DualPipe-V)."""
+__all__ = ["in_flight_counts", "stage_ranks", "chunk_memory_caps", "memory_reach"]
 
 
 def stage_ranks(*, schedule: str, pipeline_model_parallel_size: int, num_stages: int) -> tuple[int, ...]:
-    """Pipeline rank of each layout stage: vp-major (s % P), or V-shaped (s, then 2P - 1 - s)."""
-    pp = pipeline_model_parallel_size
-    if schedule in V_SHAPED:
-        return tuple(stage if stage < pp else 2 * pp - 1 - stage for stage in range(num_stages))
-    return tuple(stage % pp for stage in range(num_stages))
+    """Pipeline rank of each layout stage, by the schedule's placement (vp-major loop or V)."""
+    return spec(schedule).stage_to_rank(pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                        num_stages=num_stages)
 
 
 def in_flight_counts(
@@ -37,23 +33,8 @@ def in_flight_counts(
     virtual_pipeline_model_parallel_size: int = 1,
     microbatch_group_size_per_vp_stage: int | None = None,
 ) -> tuple[int, ...]:
-    """Peak in-flight microbatches per layout stage (P * v of them, in layout order).
-
-    1F1B without interleaving keeps min(P - j, m) on stage j and GPipe keeps m
-    (closed forms); every other schedule asks ``megapipe.schedules.peak_in_flight``.
-    """
+    """Peak in-flight microbatches per layout stage (P * v of them, in layout order), by the schedule's spec."""
     pp, vp, m = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size, num_microbatches
-    if vp == 1 and schedule == "1f1b":
-        return tuple(min(pp - stage, m) for stage in range(pp))
-    if vp == 1 and schedule == "gpipe":
-        return (m,) * pp
-    try:
-        from megapipe.schedules import peak_in_flight
-    except ImportError:
-        raise ConfigError(
-            f"schedule={schedule!r} with virtual_pipeline_model_parallel_size={vp} needs megapipe.schedules; "
-            "use schedule=1f1b or gpipe with virtual_pipeline_model_parallel_size=1"
-        ) from None
     counts = tuple(
         int(count)
         for count in peak_in_flight(

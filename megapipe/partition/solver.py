@@ -25,14 +25,12 @@ from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memor
 from megapipe.partition.headroom import least_utilisation_split
 from megapipe.partition.minmax import SegmentCost, min_max_split, reachable_sets, segment_cost
 from megapipe.records import LayerCost, Partition, StageSpec
+from megapipe.schedules import ScheduleName, spec
 
 __all__ = ["METHODS", "solve", "evaluate"]
 
 METHODS = ("optimal", "equal", "parameters")
 _HUGE = 1e300
-_HEADROOM_SCHEDULES = frozenset({"1f1b", "gpipe"})
-"""Schedules whose step time is (m - 1) * bottleneck + sum of stage times (Narayanan et al. 2021, sec. 2.2)
-without virtual stages: every bottleneck-optimal split is equally fast, so the solver keeps the most headroom."""
 
 
 def solve(
@@ -40,7 +38,7 @@ def solve(
     stages: Sequence[StageSpec],
     *,
     num_microbatches: int,
-    schedule: str = "1f1b",
+    schedule: str = ScheduleName.one_f_one_b,
     virtual_pipeline_model_parallel_size: int = 1,
     method: str = "optimal",
     check_memory: bool = True,
@@ -71,7 +69,9 @@ def solve(
         caps = chunk_memory_caps(layers=layers, stages=stages, in_flight=in_flight, ranks=ranks)
         if not check_memory:
             caps = (math.inf,) * len(caps)
-        headroom = vp == 1 and schedule in _HEADROOM_SCHEDULES
+        # Where the bottleneck alone sets the step (the spec's bottleneck_sets_step), every
+        # bottleneck-optimal split is equally fast, so keep the one with the most headroom.
+        headroom = vp == 1 and spec(schedule).bottleneck_sets_step
         bounds = _optimal_bounds(layers, stages, ranks, in_flight, caps, headroom=headroom)
     partition = build_partition(
         layers=layers, stages=stages, bounds=bounds, in_flight=in_flight, ranks=ranks,
@@ -89,7 +89,7 @@ def evaluate(
     *,
     layers_per_stage: Sequence[int],
     num_microbatches: int,
-    schedule: str = "1f1b",
+    schedule: str = ScheduleName.one_f_one_b,
     method: str = "given",
 ) -> Partition:
     """The record of a given split (e.g. a user's layout); never raises on memory, see ``fits_memory``."""

@@ -17,35 +17,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megapipe.records import LayerCost, LayerKind
+from megapipe.schedules import spec
 
-__all__ = ["BOUND_CLASS", "LayerShape", "least_in_flight", "water_level", "layer_shape", "split_can_fit", "pipeline_floor_ms",
-           "FUSED_BACKWARD"]
-
-FUSED_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved_1f1b"})
-"""Schedules whose backward is one op (B), so a rank's last op is a backward that must drain upstream."""
-
-BOUND_CLASS = {"gpipe": "gpipe", "1f1b": "1f1b", "zb_h1": "zero_bubble", "zb_h2": "zero_bubble",
-               "interleaved_1f1b": "interleaved", "zb_v": "v_shaped", "dualpipe_v": "v_shaped"}
-"""Schedules of one class share the closed-form bounds of a candidate (its forward-path share phi,
-least in-flight counts and the rank holding the loss); the virtual size does not enter them.
-The search bounds each (layer key, DP, class) once; tests/test_plan_bounds.py checks it."""
+__all__ = ["LayerShape", "least_in_flight", "water_level", "layer_shape", "split_can_fit", "pipeline_floor_ms"]
 
 _SLACK = 1e-6
 """Decoder-count slack that absorbs the solver's prefix-sum rounding: split_can_fit only says no when sure."""
 
 
 def least_in_flight(schedule: str, pipeline_model_parallel_size: int, num_microbatches: int) -> tuple[int, ...]:
-    """Per rank, microbatches every layer on it keeps at least (1F1B: min(p - r, m); GPipe: m).
+    """Per rank, microbatches every layer on it keeps at least: the spec's in-flight floor.
 
-    ZB-H1/H2 release at W, after 1F1B's B, so they hold at least as many; interleaved and
-    V-shaped schedules are bounded by 1 (a chunk may sit where little is in flight).
+    1F1B keeps min(p - r, m) and GPipe m; ZB-H1/H2 release at W, after 1F1B's B, so they hold
+    at least as many; interleaved and V-shaped schedules are bounded by 1 (a chunk may sit
+    where little is in flight).
     """
-    pp, m = pipeline_model_parallel_size, num_microbatches
-    if schedule == "gpipe":
-        return (m,) * pp
-    if schedule in ("1f1b", "zb_h1", "zb_h2"):
-        return tuple(min(pp - rank, m) for rank in range(pp))
-    return (1,) * pp
+    return spec(schedule).least_in_flight(pipeline_model_parallel_size, num_microbatches)
 
 
 def water_level(pinned: Sequence[float], per_layer: Sequence[float], num_layers: int) -> float:
@@ -134,7 +121,7 @@ def pipeline_floor_ms(*, schedule: str, stage_to_rank: Sequence[int], fwd_ms: Se
     run. With f the smallest stage on r: step >= sum_{s<f} F_s + m sum_{s on r} (F_s + B_s)
     (+ sum_{s<f} B_s when fused). Message delays are >= 0 and left out.
     """
-    fused = schedule in FUSED_BACKWARD
+    fused = not spec(schedule).split_backward
     first: dict[int, int] = {}
     busy: dict[int, float] = {}
     for stage, rank in enumerate(stage_to_rank):

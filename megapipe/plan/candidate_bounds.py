@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, stage_ranks
 from megapipe.plan.adaptive import per_stage_bound, per_stage_can_fit, per_stage_memory_bound
-from megapipe.plan.bounds import BOUND_CLASS, least_in_flight, layer_shape, split_can_fit, water_level
+from megapipe.plan.bounds import least_in_flight, layer_shape, split_can_fit, water_level
 from megapipe.plan.records import Candidate
 from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
 from megapipe.plan.units import repeated_sum
 from megapipe.records import GpuSpec, LayerCost, LayerKind
+from megapipe.schedules import PathShare, spec
 
 __all__ = ["Bound", "CandidateBounds"]
 
@@ -128,7 +129,7 @@ class CandidateBounds:
         par = cand.parallel
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
         total_ms = (totals.fwd_ms + totals.bwd_ms) * min_time_scale
-        phi = {"gpipe": 1.0, "1f1b": 1.0, "zb_h1": forward_share, "zb_h2": forward_share}.get(cand.schedule, 0.0)
+        phi = {PathShare.whole: 1.0, PathShare.forward: forward_share}.get(spec(cand.schedule).path_share, 0.0)
         ratio = 1.0 - phi / m
         pipeline = m * total_ms / sum(ratio ** r for r in range(pp))
         # Some rank holds ceil(N / p) decoders and runs their F + B for every microbatch in sequence.
@@ -182,7 +183,7 @@ class CandidateBounds:
         hold at least as many; interleaved and V-shaped schedules are bounded by 1.
         """
         key = cand.layer_key + (cand.parallel.data_parallel_size, cand.num_microbatches,
-                                _memory_class(cand.schedule))
+                                spec(cand.schedule).memory_class)
         found = self._memory_bounds.get(key)
         if found is None:
             found = self._memory_bounds[key] = self._water_level(cand)
@@ -202,7 +203,7 @@ class CandidateBounds:
             totals = self.totals(cand)
             return (totals.static_bytes + totals.act_bytes) / pp
         pinned = [0.0] * pp
-        last_rank = 0 if cand.schedule in _V_SHAPED else pp - 1
+        last_rank = spec(cand.schedule).loss_rank(pp)
         for layer, rank in ((layers[0], 0), (layers[-1], last_rank)):
             if layer.kind != LayerKind.decoder:
                 pinned[rank] += layer.static_bytes + least[rank] * layer.act_bytes
@@ -240,14 +241,3 @@ class CandidateBounds:
             ranks = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
             found = self._layouts[key] = (in_flight, ranks)
         return found
-
-
-_V_SHAPED = ("zb_v", "dualpipe_v")
-_MEMORY_CLASS = {"zero_bubble": "1f1b"}
-"""ZB-H1/H2 have 1F1B's least in-flight counts and loss placement (:func:`least_in_flight`)."""
-
-
-def _memory_class(schedule: str) -> str:
-    bound_class = BOUND_CLASS[schedule]
-    return _MEMORY_CLASS.get(bound_class, bound_class)
-

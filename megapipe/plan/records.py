@@ -6,11 +6,7 @@ from dataclasses import dataclass, field
 
 from megapipe.records import ParallelSpec, Partition, TrainSpec
 
-__all__ = ["SCHEDULES", "SearchOptions", "Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v")
-"""Every schedule the planner searches, in megapipe.schedules' names."""
-
+__all__ = ["SearchOptions", "Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SearchOptions:
@@ -170,7 +166,7 @@ class Plan:
                 "num_microbatches": self.num_microbatches,
                 "precision": train.precision,
             },
-            "schedule": self.schedule,
+            "schedule": str(self.schedule),
             "method": self.method,
             "layers_per_stage": list(self.layers_per_stage),
             "layout": self.layout,

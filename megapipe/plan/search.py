@@ -36,7 +36,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from megapipe.errors import ConfigError, InfeasibleError, ScheduleError
-from megapipe.plan.bounds import BOUND_CLASS
 from megapipe.plan.evaluate import Evaluator, Prepared
 from megapipe.plan.hetero import placements
 from megapipe.plan.rank import rank_plans, score
@@ -44,6 +43,7 @@ from megapipe.plan.records import Candidate, Plan, SearchOptions, SearchResult, 
 from megapipe.plan.space import Point, Space, enumerate_candidates
 from megapipe.profile.format import Profile
 from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
+from megapipe.schedules import ScheduleName, spec
 
 __all__ = ["search", "reference_candidate", "REFERENCE"]
 
@@ -99,7 +99,7 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tupl
     """(step bound, index, point) of every point that may fit memory, best bound first.
 
     Points whose layer key, data-parallel size and schedule's bound class
-    (:data:`megapipe.plan.bounds.BOUND_CLASS`) agree have the same bounds, so each such group
+    (:attr:`~megapipe.schedules.ScheduleSpec.bound_class`) agree have the same bounds, so each such group
     is bounded once, on one Candidate; the step bound is computed only where memory may fit.
     """
     options = evaluator.options
@@ -109,7 +109,7 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tupl
     steps: dict[tuple, float | None] = {}
     out = []
     for index, point in enumerate(space.points):
-        key = point[:4] + point[5:8] + (BOUND_CLASS[point.schedule], point.per_stage_recompute)  # all but VP
+        key = point[:4] + point[5:8] + (spec(point.schedule).bound_class, point.per_stage_recompute)  # all but VP
         step = steps.get(key, _UNSET)
         if step is _UNSET:
             cand = space.candidate(point)
@@ -262,9 +262,9 @@ def reference_candidate(*, cluster: ClusterSpec, train: TrainSpec, use_distribut
         return None
     parallel = ParallelSpec(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
                             sequence_parallel=True, use_distributed_optimizer=use_distributed_optimizer)
-    spec = TrainSpec(micro_batch_size=1, global_batch_size=train.global_batch_size, seq_length=train.seq_length,
+    fixed_train = TrainSpec(micro_batch_size=1, global_batch_size=train.global_batch_size, seq_length=train.seq_length,
                      recompute_granularity=Recompute.none, precision=train.precision)
-    return Candidate(parallel=parallel, train=spec, schedule="1f1b")
+    return Candidate(parallel=parallel, train=fixed_train, schedule=ScheduleName.one_f_one_b)
 
 
 def _reference(evaluator: Evaluator, train: TrainSpec, use_distributed_optimizer: bool) -> Plan | None:

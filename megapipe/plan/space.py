@@ -29,17 +29,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from megapipe.emit.emitted import MEGATRON_SCHEDULES
 from megapipe.errors import ConfigError
-from megapipe.plan.records import SCHEDULES, Candidate, SearchOptions
+from megapipe.plan.records import Candidate, SearchOptions
 from megapipe.records import SEARCH_DIMENSIONS, ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
+from megapipe.schedules import MEGATRON_SCHEDULES, SCHEDULE_NAMES, ScheduleName, spec
 
-__all__ = ["DIMENSIONS", "Point", "Space", "divisors", "enumerate_candidates", "schedule_virtual_sizes"]
+__all__ = ["DIMENSIONS", "Point", "Space", "divisors", "enumerate_candidates"]
 
 DIMENSIONS = SEARCH_DIMENSIONS
 """The searched dimensions; data_parallel_size is what is left of the GPUs."""
 
-_V_SHAPED = ("zb_v", "dualpipe_v")
 _RECOMPUTE = (Recompute.none, Recompute.selective, Recompute.full)
 
 
@@ -61,15 +60,6 @@ class Point(NamedTuple):
 
 def divisors(number: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, number + 1) if number % d == 0)
-
-
-def schedule_virtual_sizes(schedule: str, *, pipeline_model_parallel_size: int, max_virtual: int) -> tuple[int, ...]:
-    """Model chunks per rank each schedule runs: V schedules 2, interleaved 2..max, others 1."""
-    if schedule in _V_SHAPED:
-        return (2,)
-    if schedule == "interleaved_1f1b":
-        return tuple(range(2, max_virtual + 1)) if pipeline_model_parallel_size > 1 else ()
-    return (1,)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,8 +112,8 @@ def _check_fixed(fixed: Mapping[str, object], options: SearchOptions) -> None:
     if unknown:
         raise ConfigError(f"cannot fix {sorted(unknown)}; searchable dimensions are {list(DIMENSIONS)}")
     schedule = fixed.get("schedule")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)} or all")
+    if schedule is not None and schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULE_NAMES)} or all")
     if schedule is not None and options.megatron_schedules_only and schedule not in MEGATRON_SCHEDULES:
         raise ConfigError(f"schedule={schedule!r} with search.megatron_schedules_only=true: megatron-core runs only "
                           f"{' and '.join(MEGATRON_SCHEDULES)}; pick one of them or set the option false")
@@ -206,14 +196,14 @@ def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options
 
 
 def _inner(*, model, train, fixed, options, tp, cp, pp, dp) -> Iterator[Point | str]:
-    searched = MEGATRON_SCHEDULES if options.megatron_schedules_only else SCHEDULES
-    schedules = _values(fixed, "schedule", searched if pp > 1 else ("1f1b",))
+    searched = MEGATRON_SCHEDULES if options.megatron_schedules_only else SCHEDULE_NAMES
+    schedules = _values(fixed, "schedule", searched if pp > 1 else (ScheduleName.one_f_one_b,))
     mbs_values = _values(fixed, "micro_batch_size", options.micro_batch_sizes)
     recomputes = tuple(Recompute(value) for value in _values(fixed, "recompute_granularity", _RECOMPUTE))
     sps = tuple(bool(sp) for sp in _values(fixed, "sequence_parallel", (False, True) if tp > 1 else (False,)))
     for schedule in schedules:
-        vps = schedule_virtual_sizes(schedule, pipeline_model_parallel_size=pp,
-                                     max_virtual=options.max_virtual_pipeline_model_parallel_size)
+        vps = spec(schedule).virtual_sizes(pipeline_model_parallel_size=pp,
+                                           max_virtual=options.max_virtual_pipeline_model_parallel_size)
         if "virtual_pipeline_model_parallel_size" in fixed:
             vp = int(fixed["virtual_pipeline_model_parallel_size"])
             vps = (vp,) if vp in vps or "schedule" in fixed else ()
@@ -238,10 +228,7 @@ def _shape_reason(point: Point, shape_ok: bool, model: ModelSpec) -> str:
     pp = point.pipeline_model_parallel_size
     if not shape_ok or pp * point.virtual_pipeline_model_parallel_size > model.num_layers:
         return "divisibility"
-    m, schedule = point.num_microbatches, point.schedule
-    if schedule == "interleaved_1f1b" and (m < pp or m % pp):
-        return "microbatches"
-    if schedule in _V_SHAPED and m < 2 * pp:
+    if not spec(point.schedule).searchable(pipeline_model_parallel_size=pp, num_microbatches=point.num_microbatches):
         return "microbatches"
     return ""
 

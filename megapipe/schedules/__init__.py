@@ -1,20 +1,40 @@
 """Pipeline schedules: one module per schedule, each building the per-rank action order.
 
-``build(name, ...)`` returns a :class:`Schedule`; ``megapipe.simulate.simulate`` runs
-any of them. ``peak_in_flight`` gives the partition solver each layout stage's peak
-in-flight microbatches.
+Each schedule module defines one :class:`ScheduleSpec` (placement, split backward, chunk
+rule, Megatron support, closed forms, bound factors); :mod:`megapipe.schedules.registry`
+collects them. ``build(name, ...)`` returns a :class:`Schedule` that
+``megapipe.simulate.simulate`` runs; ``peak_in_flight`` gives the partition solver each
+layout stage's peak in-flight microbatches.
 """
 
-from megapipe.schedules.base import SCHEDULE_NAMES, Action, Kind, Schedule
-from megapipe.schedules.registry import V_SHAPED, build, chunks_per_rank, peak_in_flight
+from megapipe.schedules.base import Action, Kind, Schedule
+from megapipe.schedules.registry import (
+    MEGATRON_SCHEDULES,
+    SCHEDULE_NAMES,
+    SPECS,
+    build,
+    chunks_per_rank,
+    megatron_schedule,
+    peak_in_flight,
+    spec,
+)
+from megapipe.schedules.spec import InFlightFloor, PathShare, Placement, ScheduleName, ScheduleSpec
 
 __all__ = [
     "SCHEDULE_NAMES",
-    "V_SHAPED",
+    "MEGATRON_SCHEDULES",
+    "SPECS",
     "Action",
     "Kind",
     "Schedule",
+    "ScheduleName",
+    "ScheduleSpec",
+    "Placement",
+    "PathShare",
+    "InFlightFloor",
     "build",
     "chunks_per_rank",
+    "megatron_schedule",
     "peak_in_flight",
+    "spec",
 ]

@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 
 from megapipe.errors import ScheduleError
 
-__all__ = ["Kind", "Action", "Schedule", "SCHEDULE_NAMES", "loop_stage", "v_stage", "check_sizes"]
-
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v")
+__all__ = ["Kind", "Action", "Schedule", "loop_stage", "v_stage", "check_sizes"]
 
 
 class Kind(str, enum.Enum):

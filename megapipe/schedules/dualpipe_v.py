@@ -26,8 +26,10 @@ from collections import deque
 
 from megapipe.errors import ScheduleError
 from megapipe.schedules.base import Action, Kind, v_stage
+from megapipe.schedules.in_flight import v_in_flight
+from megapipe.schedules.spec import Placement, ScheduleName, ScheduleSpec
 
-__all__ = ["dualpipe_v_orders"]
+__all__ = ["SPEC", "dualpipe_v_orders"]
 
 
 class _RankOrder:
@@ -102,3 +104,22 @@ def dualpipe_v_orders(
             f"raise train.global_batch_size or use schedule=zb_v"
         )
     return tuple(_rank_order(rank, pp, m) for rank in range(pp))
+
+
+def _orders(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
+    return dualpipe_v_orders(pipeline_model_parallel_size=pipeline_model_parallel_size,
+                             num_microbatches=num_microbatches)
+
+
+SPEC = ScheduleSpec(
+    name=ScheduleName.dualpipe_v,
+    summary="DualPipeV (DeepSeek-V3 report): DualPipe cut into a V, overlapped F&B pairs issued as F then B",
+    orders=_orders,
+    placement=Placement.v,
+    split_backward=True,
+    fixed_chunks=2,
+    torch_class="ScheduleDualPipeV",
+    in_flight=v_in_flight,
+    sizes_ok=lambda pp, m, v, group: v == 2 and m >= 2 * pp,
+    min_microbatches_per_stage=2,
+)

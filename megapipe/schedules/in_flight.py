@@ -24,29 +24,17 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["closed_form_in_flight"]
-
-_V_SHAPED = ("zb_v", "dualpipe_v")
+__all__ = ["interleaved_in_flight", "v_in_flight"]
 
 
-def closed_form_in_flight(
-    name: str, *, pipeline_model_parallel_size: int, num_microbatches: int,
-    virtual_pipeline_model_parallel_size: int = 1, microbatch_group_size_per_vp_stage: int | None = None,
-) -> tuple[int, ...]:
-    """Peak in-flight microbatches per layout stage, in layout order; sizes must already be valid."""
-    pp, m = pipeline_model_parallel_size, num_microbatches
-    if name == "gpipe":
-        return (m,) * pp
-    if name == "1f1b":
-        return tuple(min(pp - stage, m) for stage in range(pp))
-    if name == "zb_h1":
-        return (min(pp, m),) * pp
-    if name == "zb_h2":
-        return (min(2 * pp - 1, m),) * pp
-    if name in _V_SHAPED:
-        return tuple(min(2 * pp - stage, m) for stage in range(2 * pp))
-    group = pp if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
-    return _interleaved(pp, m, virtual_pipeline_model_parallel_size, group)
+def v_in_flight(pp: int, m: int, v: int, group: int) -> tuple[int, ...]:
+    """ZB-V and DualPipe-V: layout stage s holds min(2P - s, m)."""
+    return tuple(min(2 * pp - stage, m) for stage in range(2 * pp))
+
+
+def interleaved_in_flight(pp: int, m: int, v: int, group: int) -> tuple[int, ...]:
+    """Megatron's interleaved 1F1B, vp-major (stage = chunk * P + rank); ``group`` already resolved."""
+    return _interleaved(pp, m, v, group)
 
 
 @lru_cache(maxsize=1024)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from megapipe.errors import ScheduleError
 from megapipe.schedules.base import Action, Kind, loop_stage
+from megapipe.schedules.in_flight import interleaved_in_flight
+from megapipe.schedules.spec import ScheduleName, ScheduleSpec
 
-__all__ = ["interleaved_orders", "schedule_table", "check_interleaved"]
+__all__ = ["SPEC", "interleaved_orders", "schedule_table", "check_interleaved", "interleaved_sizes_ok"]
 
 
 def schedule_table(
@@ -107,3 +109,23 @@ def interleaved_orders(
         )
         for rank in range(pipeline_model_parallel_size)
     )
+
+
+def interleaved_sizes_ok(pp: int, m: int, v: int, group: int) -> bool:
+    """The sizes :func:`check_interleaved` accepts, without raising."""
+    return v >= 2 and pp >= 2 and pp <= group <= m and not 0 < m % group < pp
+
+
+SPEC = ScheduleSpec(
+    name=ScheduleName.interleaved_1f1b,
+    summary="interleaved 1F1B (Narayanan et al. 2021): v model chunks per rank in Megatron's vp-major order",
+    orders=interleaved_orders,
+    fixed_chunks=None,
+    megatron_function="forward_backward_pipelining_with_interleaving",
+    torch_class="ScheduleInterleaved1F1B",
+    # (P-1)/(v m + P-1) of wall time (Narayanan et al. 2021, sec. 2.2).
+    flushed_bubble=lambda pp, m, v: (pp - 1) / (v * m + pp - 1),
+    in_flight=interleaved_in_flight,
+    sizes_ok=interleaved_sizes_ok,
+    microbatches_multiple_of_stages=True,
+)

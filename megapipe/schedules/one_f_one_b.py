@@ -9,8 +9,9 @@ backwards (cool-down). Backwards use Megatron's fused backward (kind ``B``).
 from __future__ import annotations
 
 from megapipe.schedules.base import Action, Kind
+from megapipe.schedules.spec import InFlightFloor, PathShare, ScheduleName, ScheduleSpec
 
-__all__ = ["one_f_one_b_orders", "warmup_microbatches"]
+__all__ = ["SPEC", "one_f_one_b_orders", "warmup_microbatches"]
 
 
 def warmup_microbatches(*, rank: int, pipeline_model_parallel_size: int, num_microbatches: int) -> int:
@@ -37,3 +38,24 @@ def one_f_one_b_orders(
         _rank_order(rank, pipeline_model_parallel_size, num_microbatches)
         for rank in range(pipeline_model_parallel_size)
     )
+
+
+def _orders(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
+    return one_f_one_b_orders(pipeline_model_parallel_size=pipeline_model_parallel_size,
+                              num_microbatches=num_microbatches)
+
+
+SPEC = ScheduleSpec(
+    name=ScheduleName.one_f_one_b,
+    summary="1F1B / PipeDream-Flush (Narayanan et al. 2021): P - r - 1 warm-up forwards, then one F one B",
+    orders=_orders,
+    megatron_function="forward_backward_pipelining_without_interleaving",
+    torch_class="Schedule1F1B",
+    path_share=PathShare.whole,
+    in_flight_floor=InFlightFloor.staircase,
+    bottleneck_sets_step=True,
+    flushed_bubble=lambda pp, m, v: (pp - 1) / (m + pp - 1),
+    # Stage s keeps min(P - s, m) microbatches (Narayanan et al. 2021, sec. 2.2).
+    in_flight=lambda pp, m, v, group: tuple(min(pp - stage, m) for stage in range(pp)),
+    sizes_ok=lambda pp, m, v, group: v == 1,
+)

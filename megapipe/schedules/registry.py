@@ -1,51 +1,72 @@
-"""``build(name, ...)``: the one entry point from a schedule name and sizes to a Schedule."""
+"""The schedule registry: every :class:`~megapipe.schedules.spec.ScheduleSpec`, and ``build``.
+
+Other packages ask here: ``spec(name)`` for what a schedule is, ``build(name, ...)`` for its
+orders, ``peak_in_flight`` for the partition solver's in-flight counts, ``megatron_schedule``
+for what megatron-core runs by default.
+"""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
 from megapipe.errors import ScheduleError
-from megapipe.schedules.base import SCHEDULE_NAMES, Kind, Schedule, check_sizes
-from megapipe.schedules.dualpipe_v import dualpipe_v_orders
-from megapipe.schedules.gpipe import gpipe_orders
-from megapipe.schedules.in_flight import closed_form_in_flight
-from megapipe.schedules.interleaved import interleaved_orders
-from megapipe.schedules.one_f_one_b import one_f_one_b_orders
-from megapipe.schedules.zb_h import zb_h1_orders, zb_h2_orders
-from megapipe.schedules.zb_v import zb_v_orders
+from megapipe.schedules import dualpipe_v, gpipe, interleaved, one_f_one_b, zb_h, zb_v
+from megapipe.schedules.base import Kind, Schedule, check_sizes
+from megapipe.schedules.spec import Placement, ScheduleName, ScheduleSpec
 
-__all__ = ["build", "peak_in_flight", "V_SHAPED", "chunks_per_rank"]
+__all__ = [
+    "SPECS",
+    "SCHEDULE_NAMES",
+    "MEGATRON_SCHEDULES",
+    "spec",
+    "build",
+    "peak_in_flight",
+    "chunks_per_rank",
+    "megatron_schedule",
+]
 
-V_SHAPED = frozenset({"zb_v", "dualpipe_v"})
-_SINGLE_CHUNK = {
-    "gpipe": gpipe_orders,
-    "1f1b": one_f_one_b_orders,
-    "zb_h1": zb_h1_orders,
-    "zb_h2": zb_h2_orders,
+SPECS: dict[ScheduleName, ScheduleSpec] = {
+    item.name: item
+    for item in (gpipe.SPEC, one_f_one_b.SPEC, interleaved.SPEC, zb_h.ZB_H1, zb_h.ZB_H2, zb_v.SPEC, dualpipe_v.SPEC)
 }
-_V_CHUNK = {"zb_v": zb_v_orders, "dualpipe_v": dualpipe_v_orders}
+SCHEDULE_NAMES: tuple[ScheduleName, ...] = tuple(SPECS)
+MEGATRON_SCHEDULES: tuple[ScheduleName, ...] = tuple(name for name, item in SPECS.items() if item.megatron_runs)
+"""What megatron-core 0.16-0.19 ``get_forward_backward_func()`` runs for pipeline_model_parallel_size > 1."""
+
+
+def spec(name: str) -> ScheduleSpec:
+    """The spec of schedule ``name``; ScheduleError naming the known ones otherwise."""
+    try:
+        return SPECS[ScheduleName(name)]
+    except ValueError:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
 
 
 def chunks_per_rank(name: str, virtual_pipeline_model_parallel_size: int = 1) -> int:
     """Model chunks each rank holds: 2 for V-shaped schedules, v for interleaved, else 1."""
-    if name in V_SHAPED:
-        return 2
-    return virtual_pipeline_model_parallel_size if name == "interleaved_1f1b" else 1
+    return spec(name).chunks_per_rank(virtual_pipeline_model_parallel_size)
 
 
-def _check_virtual(name: str, virtual: int) -> None:
+def megatron_schedule(num_model_chunks: int) -> ScheduleName:
+    """What ``get_forward_backward_func()`` picks: interleaved with virtual stages, else 1F1B."""
+    return next(item.name for item in SPECS.values()
+                if item.megatron_runs and (item.fixed_chunks is None) == (num_model_chunks > 1))
+
+
+def _check_virtual(item: ScheduleSpec, virtual: int) -> None:
     if not isinstance(virtual, int) or virtual < 1:
         raise ScheduleError(f"virtual_pipeline_model_parallel_size={virtual!r} must be an int >= 1")
-    if name in V_SHAPED and virtual != 2:
+    if item.fixed_chunks is None or virtual == item.fixed_chunks:
+        return
+    if item.placement is Placement.v:
         raise ScheduleError(
-            f"{name} places exactly 2 model chunks per rank (V shape); "
+            f"{item.name} places exactly 2 model chunks per rank (V shape); "
             f"set virtual_pipeline_model_parallel_size=2, got {virtual}"
         )
-    if name in _SINGLE_CHUNK and virtual != 1:
-        raise ScheduleError(
-            f"{name} runs one model chunk per rank; got virtual_pipeline_model_parallel_size={virtual}: "
-            "use schedule=interleaved_1f1b for virtual stages, or set it to 1"
-        )
+    raise ScheduleError(
+        f"{item.name} runs one model chunk per rank; got virtual_pipeline_model_parallel_size={virtual}: "
+        "use schedule=interleaved_1f1b for virtual stages, or set it to 1"
+    )
 
 
 @lru_cache(maxsize=16)
@@ -55,59 +76,31 @@ def build(
 ) -> Schedule:
     """Per-rank orders of schedule ``name`` (one of SCHEDULE_NAMES) for these sizes.
 
-    ``microbatch_group_size_per_vp_stage`` only affects interleaved_1f1b (Megatron's
-    default, pipeline_model_parallel_size, when None). Raises ScheduleError with the
-    fix for sizes the schedule cannot run.
+    ``microbatch_group_size_per_vp_stage`` only affects schedules with searched chunks
+    (interleaved_1f1b; Megatron's default, pipeline_model_parallel_size, when None). Raises
+    ScheduleError with the fix for sizes the schedule cannot run.
     """
-    if name not in SCHEDULE_NAMES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    item = spec(name)
     pp, m, v = pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size
-    check_sizes(name, pipeline_model_parallel_size=pp, num_microbatches=m)
-    _check_virtual(name, v)
+    check_sizes(item.name, pipeline_model_parallel_size=pp, num_microbatches=m)
+    _check_virtual(item, v)
     group = None
-    if name in _SINGLE_CHUNK:
-        orders = _SINGLE_CHUNK[name](pipeline_model_parallel_size=pp, num_microbatches=m)
-        stage_to_rank = tuple(range(pp))
-    elif name in _V_CHUNK:
-        orders = _V_CHUNK[name](pipeline_model_parallel_size=pp, num_microbatches=m)
-        stage_to_rank = tuple(rank for rank in range(pp)) + tuple(reversed(range(pp)))
-    else:
+    if item.fixed_chunks is None:
         group = pp if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
-        orders = interleaved_orders(
-            pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
-            microbatch_group_size_per_vp_stage=group,
-        )
-        stage_to_rank = tuple(stage % pp for stage in range(pp * v))
+    orders = item.orders(pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
+                         microbatch_group_size_per_vp_stage=group)
     return Schedule(
-        name=name, pipeline_model_parallel_size=pp, num_microbatches=m,
+        name=item.name, pipeline_model_parallel_size=pp, num_microbatches=m,
         virtual_pipeline_model_parallel_size=v, microbatch_group_size_per_vp_stage=group,
-        stage_to_rank=stage_to_rank, orders=orders,
+        stage_to_rank=item.stage_to_rank(pipeline_model_parallel_size=pp, num_stages=pp * v), orders=orders,
     )
 
 
-def _closed_form_applies(name: str, pp: int, m: int, v: int, group: int | None) -> bool:
-    """Sizes every builder accepts; anything else is built, so its builder raises the real error."""
-    if name not in SCHEDULE_NAMES or not all(isinstance(n, int) and n >= 1 for n in (pp, m, v)):
+def _closed_form_applies(item: ScheduleSpec, pp: int, m: int, v: int, group: int | None) -> bool:
+    """Sizes the builder accepts; anything else is built, so the builder raises the real error."""
+    if not all(isinstance(n, int) and n >= 1 for n in (pp, m, v)):
         return False
-    if name == "interleaved_1f1b":
-        group = pp if group is None else group
-        return v >= 2 and pp >= 2 and pp <= group <= m and not 0 < m % group < pp
-    if name in V_SHAPED:
-        return v == 2 and (name != "dualpipe_v" or m >= 2 * pp)
-    return v == 1
-
-
-def _peak_from_sizes(name, pp, m, v, group) -> tuple[int, ...]:
-    if _closed_form_applies(name, pp, m, v, group):
-        return closed_form_in_flight(
-            name, pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
-            microbatch_group_size_per_vp_stage=group,
-        )
-    schedule = build(
-        name, pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
-        microbatch_group_size_per_vp_stage=group,
-    )
-    return _peak_from_orders(schedule)
+    return item.sizes_ok(pp, m, v, pp if group is None else group)
 
 
 def _peak_from_orders(schedule: Schedule) -> tuple[int, ...]:
@@ -131,16 +124,20 @@ def peak_in_flight(
 ) -> tuple[int, ...]:
     """Peak microbatches of activations held per layout stage, in model (layout) order.
 
-    ``schedule`` is a name or a built Schedule. One entry per layout stage: P * v
-    for interleaved_1f1b (vp-major: stage = chunk * P + rank) and 2P for V-shaped
-    schedules, whose stage s lives on rank s for s < P and on rank 2P-1-s after.
-    Activations count from F until B, or until W for split backwards. For a name the
-    closed forms of :mod:`megapipe.schedules.in_flight` answer without building the
-    schedule; sizes a builder rejects still raise its ScheduleError.
+    ``schedule`` is a name or a built Schedule. One entry per layout stage: P * v for
+    interleaved_1f1b (vp-major: stage = chunk * P + rank) and 2P for V-shaped schedules,
+    whose stage s lives on rank s for s < P and on rank 2P-1-s after. Activations count
+    from F until B, or until W for split backwards. For a name, the spec's closed form
+    answers without building the schedule; sizes a builder rejects still raise its
+    ScheduleError.
     """
     if isinstance(schedule, Schedule):
         return _peak_from_orders(schedule)
-    return _peak_from_sizes(
-        schedule, pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size,
-        microbatch_group_size_per_vp_stage,
-    )
+    item = spec(schedule)
+    pp, m, v = pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size
+    group = microbatch_group_size_per_vp_stage
+    if _closed_form_applies(item, pp, m, v, group):
+        return item.in_flight(pp, m, v, pp if group is None else group)
+    return _peak_from_orders(build(item.name, pipeline_model_parallel_size=pp, num_microbatches=m,
+                                   virtual_pipeline_model_parallel_size=v,
+                                   microbatch_group_size_per_vp_stage=group))

@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections import deque
 
 from megapipe.schedules.base import Action, Kind
+from megapipe.schedules.spec import InFlightFloor, PathShare, ScheduleName, ScheduleSpec
 
-__all__ = ["zb_h1_orders", "zb_h2_orders", "list_schedule_orders"]
+__all__ = ["ZB_H1", "ZB_H2", "zb_h1_orders", "zb_h2_orders", "list_schedule_orders"]
 
 
 def _zb_h1_rank(stage: int, pp: int, m: int) -> tuple[Action, ...]:
@@ -102,3 +103,44 @@ def zb_h2_orders(*, pipeline_model_parallel_size: int, num_microbatches: int) ->
     pp = pipeline_model_parallel_size
     caps = tuple((2 * (pp - stage) - 1, 2 * pp - 1) for stage in range(pp))
     return list_schedule_orders(pipeline_model_parallel_size=pp, num_microbatches=num_microbatches, caps=caps)
+
+
+def _zb_h1(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
+    return zb_h1_orders(pipeline_model_parallel_size=pipeline_model_parallel_size, num_microbatches=num_microbatches)
+
+
+def _zb_h2(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
+    return zb_h2_orders(pipeline_model_parallel_size=pipeline_model_parallel_size, num_microbatches=num_microbatches)
+
+
+def _zb_flushed(pp: int, m: int, v: int) -> float:
+    """Idle (P-1)(F+B-W) per stage with F = B = W: (P-1)/(3m+P-1) of wall time (Qi et al. 2024, sec. 3.1)."""
+    return (pp - 1) / (3 * m + pp - 1)
+
+
+ZB_H1 = ScheduleSpec(
+    name=ScheduleName.zb_h1,
+    summary="ZB-H1 (Qi et al. 2024): 1F1B with split backward, W deferred into the cool-down, 1F1B memory",
+    orders=_zb_h1,
+    split_backward=True,
+    torch_class="ScheduleInterleavedZeroBubble",
+    path_share=PathShare.forward,
+    in_flight_floor=InFlightFloor.staircase,
+    flushed_bubble=_zb_flushed,
+    in_flight=lambda pp, m, v, group: (min(pp, m),) * pp,
+    sizes_ok=lambda pp, m, v, group: v == 1,
+)
+
+ZB_H2 = ScheduleSpec(
+    name=ScheduleName.zb_h2,
+    summary="ZB-H2 (Qi et al. 2024): more warm-up forwards, zero steady-state bubble at 2P - 1 in flight",
+    orders=_zb_h2,
+    split_backward=True,
+    path_share=PathShare.forward,
+    in_flight_floor=InFlightFloor.staircase,
+    # With a flush its bubble equals ZB-H1's; its zero is the steady-state figure (Qi et al. 2024, sec. 3.1).
+    flushed_bubble=_zb_flushed,
+    steady_bubble=lambda pp, m, v: 0.0,
+    in_flight=lambda pp, m, v, group: (min(2 * pp - 1, m),) * pp,
+    sizes_ok=lambda pp, m, v, group: v == 1,
+)

@@ -19,8 +19,10 @@ dropped, so any m >= 1 runs. Zero bubble holds when T_F = T_I = T_W.
 from __future__ import annotations
 
 from megapipe.schedules.base import Action, Kind, v_stage
+from megapipe.schedules.in_flight import v_in_flight
+from megapipe.schedules.spec import Placement, ScheduleName, ScheduleSpec
 
-__all__ = ["zb_v_orders"]
+__all__ = ["SPEC", "zb_v_orders"]
 
 
 class _RankOrder:
@@ -76,3 +78,23 @@ def zb_v_orders(*, pipeline_model_parallel_size: int, num_microbatches: int) -> 
         _rank_order(rank, pipeline_model_parallel_size, num_microbatches)
         for rank in range(pipeline_model_parallel_size)
     )
+
+
+def _orders(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
+    return zb_v_orders(pipeline_model_parallel_size=pipeline_model_parallel_size, num_microbatches=num_microbatches)
+
+
+SPEC = ScheduleSpec(
+    name=ScheduleName.zb_v,
+    summary="ZB-V (Qi et al. 2024, sec. 6): two chunks per rank in a V, split backward, 1F1B memory",
+    orders=_orders,
+    placement=Placement.v,
+    split_backward=True,
+    fixed_chunks=2,
+    torch_class="ScheduleZBVZeroBubble",
+    # Zero bubble in the steady state when T_F = T_I = T_W; no published flushed closed form.
+    steady_bubble=lambda pp, m, v: 0.0,
+    in_flight=v_in_flight,
+    sizes_ok=lambda pp, m, v, group: v == 2,
+    min_microbatches_per_stage=2,
+)

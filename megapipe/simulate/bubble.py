@@ -1,18 +1,8 @@
 """Closed-form bubbles and the write-ups' bubble table, next to the simulated figures.
 
 Closed forms (equal stages, no communication, T_F = T_B = T_W per chunk; a fused
-backward costs B + W):
-
-* GPipe and 1F1B: (P-1)/(m+P-1) of wall time (Huang et al. 2019; Narayanan et al.
-  2021 give (P-1)/m relative to ideal compute). Same bubble; GPipe holds m
-  microbatches of activations, 1F1B at most P.
-* Interleaved 1F1B with v chunks per rank: (P-1)/(v*m+P-1) (Narayanan et al. 2021).
-* ZB-H1: idle (P-1)(F+B-W) per stage, i.e. (P-1)/(3m+P-1) (Qi et al. 2024).
-* ZB-H2: steady-state idle (P-1)(F+B-2W) = 0; with a flush it equals ZB-H1.
-* ZB-V: zero steady-state bubble at 1F1B memory (Qi et al. 2024, Sec. 6).
-* DualPipe (DeepSeek-V3 report): idle (P-1)(F&B+B-3W) with P = ranks of the V,
-  B the full backward and F&B the overlapped pair; megapipe runs F then B, so
-  F&B = F+B and the figure is an upper bound for the simulated DualPipeV idle.
+backward costs B + W) live in each schedule's spec (``ScheduleSpec.flushed_bubble`` and
+``steady_bubble``, with their sources); :func:`closed_form_bubble` reads them.
 
 A popular write-up's table (GPipe 28.6%/48.5% at 8/32 stages, 1F1B 14.3%/24.2%,
 interleaved 7.1%/12.1%, ZB1 3.5%/6.4%, ZB2 1.8%/3.5%) is reproduced by
@@ -25,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapipe.errors import ScheduleError
-from megapipe.schedules import SCHEDULE_NAMES, build, chunks_per_rank
+from megapipe.schedules import SCHEDULE_NAMES, ScheduleName, build, chunks_per_rank, spec
 from megapipe.simulate.engine import simulate
 from megapipe.simulate.records import StageTimes
 
@@ -38,11 +28,11 @@ __all__ = [
 ]
 
 WRITEUP_PERCENT = {
-    "gpipe": {8: 28.6, 32: 48.5},
-    "1f1b": {8: 14.3, 32: 24.2},
-    "interleaved_1f1b": {8: 7.1, 32: 12.1},
-    "zb_h1": {8: 3.5, 32: 6.4},
-    "zb_h2": {8: 1.8, 32: 3.5},
+    ScheduleName.gpipe: {8: 28.6, 32: 48.5},
+    ScheduleName.one_f_one_b: {8: 14.3, 32: 24.2},
+    ScheduleName.interleaved_1f1b: {8: 7.1, 32: 12.1},
+    ScheduleName.zb_h1: {8: 3.5, 32: 6.4},
+    ScheduleName.zb_h2: {8: 1.8, 32: 3.5},
 }
 """Bubble percentages of the write-up's table, by schedule and pipeline stages."""
 
@@ -51,21 +41,10 @@ def closed_form_bubble(
     name: str, *, pipeline_model_parallel_size: int, num_microbatches: int,
     virtual_pipeline_model_parallel_size: int = 1, steady: bool = False,
 ) -> float | None:
-    """Bubble fraction of wall time from the papers' closed forms (F = B = W); None where none is published."""
-    pp, m, v = pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size
-    if name in ("gpipe", "1f1b") and not steady:
-        return (pp - 1) / (m + pp - 1)
-    if name == "interleaved_1f1b" and not steady:
-        return (pp - 1) / (v * m + pp - 1)
-    if name == "zb_h1" and not steady:
-        return (pp - 1) / (3 * m + pp - 1)
-    if name == "zb_h2":
-        return 0.0 if steady else (pp - 1) / (3 * m + pp - 1)
-    if name == "zb_v" and steady:
-        return 0.0
-    if name not in SCHEDULE_NAMES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    return None
+    """Bubble fraction of wall time from the schedule spec's closed forms (F = B = W); None where none is published."""
+    item = spec(name)
+    form = item.steady_bubble if steady else item.flushed_bubble
+    return form(pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,7 +118,7 @@ def matching_microbatches(
     found = []
     for m in range(1, max_microbatches + 1):
         if ideal:
-            work = 3 * m if schedule in ("zb_h1", "zb_h2") else v * m
+            work = 3 * m if spec(schedule).split_backward else v * m
             value = (pp - 1) / work
         else:
             value = closed_form_bubble(
