@@ -1,15 +1,20 @@
 """``megapipe COMMAND [overrides...]``: the only place that reads argv.
 
-Each command is a Hydra app over the shipped ``hydra_conf``; ``-m`` makes it a
-multirun (sweeps, joblib or submitit launchers). Bad input of any kind (unknown
-config option, mistyped key, infeasible plan, corrupt file) ends in one line on
-stderr and exit code 2, never a traceback.
+Each command is a module of :mod:`megapipe.commands` with ``prepare(cfg)`` (the config, and
+any files it names, turned into records: every check that can fail on bad input) and
+``run(prepared, directory=...)``. A single run composes the config once, prepares, makes a
+run directory of its own (``output.dir``, else ``outputs/<command>/<time>``, made unique
+when two runs start in the same second) with Hydra's ``.hydra/`` record and
+``<command>.log``, and runs. ``-m`` makes it a Hydra multirun (sweeps, joblib or submitit
+launchers). Bad input of any kind (unknown config option, mistyped key, infeasible plan,
+corrupt file) ends in one line on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import importlib
 import itertools
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 from megapipe.commands import COMMANDS
 from megapipe.errors import MegapipeError
 
-__all__ = ["main", "output_dir"]
+__all__ = ["main"]
 
 USAGE = f"""usage: megapipe COMMAND [PATH] [key=value ...] [-m]
 
@@ -30,29 +35,20 @@ commands: {', '.join(COMMANDS)}
   megapipe calibrate PROFILE [PROFILE ...]       fit the cost model's efficiency to measurements
   megapipe replan RUN_DIR                        re-partition from a monitored run
 Config groups live in hydra_conf/ (model=, cluster=, parallel=, train=, schedule=, search=, output=).
-Add your own with hydra.searchpath=[file:///your/conf]. `megapipe COMMAND --help` shows Hydra's help."""
+Add your own with hydra.searchpath=[file:///your/conf]. `megapipe COMMAND --help` shows a command's help;
+`megapipe COMMAND --hydra-help` Hydra's."""
 
 _MAX_PRECHECK = 64
 _FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-dir", "-cd",
                      "--experimental-rerun")
+_HYDRA_FLAGS = ("--cfg", "-c", "--info", "--hydra-help", "--package", "-p", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc")
 
 
 def _fail(command: str, message: str) -> int:
     first = " ".join(str(message).strip().split())
     print(f"megapipe {command}: error: {first}", file=sys.stderr)
     return 2
-
-
-def output_dir(cfg) -> str:
-    """Where a command writes its files: output.dir, else Hydra's run directory."""
-    if cfg.output.get("dir"):
-        return str(cfg.output.dir)
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return HydraConfig.get().runtime.output_dir
-    except ValueError:
-        return os.getcwd()
 
 
 def _split_args(rest: Sequence[str]) -> tuple[list[str], list[str], bool]:
@@ -75,27 +71,6 @@ def _split_args(rest: Sequence[str]) -> tuple[list[str], list[str], bool]:
     return overrides, flags, multirun
 
 
-def _precheck(overrides: list[str], multirun: bool, check=None) -> None:
-    """Compose once per combination (up to a cap) so errors surface as one line before Hydra runs.
-
-    ``check`` is the command's own ``precheck(cfg)`` when it has one (``plan`` leaves
-    searched dimensions free, so the filled defaults must not be validated).
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from megapipe.config import compose, to_setup
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    choices = []
-    for override in parsed:
-        if override.is_sweep_override() and multirun:
-            choices.append([f"{override.get_key_element()}={value}" for value in override.sweep_string_iterator()])
-        else:
-            choices.append([override.input_line])
-    for combo in itertools.islice(itertools.product(*choices), _MAX_PRECHECK):
-        (check or to_setup)(compose(list(combo)))
-
-
 def _describe(exc: BaseException) -> str:
     """Hydra's multi-line composition errors, folded into one line (option lists comma-separated)."""
     lines = [line.strip() for line in (str(exc) or type(exc).__name__).splitlines() if line.strip()]
@@ -110,16 +85,28 @@ def _describe(exc: BaseException) -> str:
     return folded
 
 
-def _task(command: str, module, multirun: bool):
-    def task(cfg) -> None:
-        try:
-            module.run(cfg)
-        except MegapipeError as exc:
-            code = _fail(command, str(exc))
-            if not multirun:
-                sys.exit(code)
+def _help(command: str, module) -> str:
+    doc = (module.__doc__ or "").strip()
+    return (f"usage: megapipe {command} [PATH] [key=value ...] [-m]\n\n{doc}\n\n"
+            "Any config key can be overridden (model=, cluster=, parallel.*, train.*, schedule=, search.*, output.*);\n"
+            f"`megapipe {command} --cfg job` prints the composed config, `--hydra-help` Hydra's options.")
 
-    return task
+
+def _precheck_sweep(command: str, module, overrides: list[str]) -> None:
+    """Compose and prepare each combination of a sweep (up to a cap) so bad input fails before any job runs."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from megapipe.config import compose
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = []
+    for override in parsed:
+        if override.is_sweep_override():
+            choices.append([f"{override.get_key_element()}={value}" for value in override.sweep_string_iterator()])
+        else:
+            choices.append([override.input_line])
+    for combo in itertools.islice(itertools.product(*choices), _MAX_PRECHECK):
+        module.prepare(compose([*combo, f"hydra.job.name={command}"]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -140,18 +127,97 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail(command, f"the {command!r} command is not available in this build")
         return _fail(command, f"{command!r} needs {exc.name!r}; install it (e.g. pip install 'megapipe[megatron]')")
     overrides, flags, multirun = _split_args(rest)
-    if not any(flag in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or flag.startswith("--cfg")
-               for flag in flags):
+    if any(flag in ("-h", "--help") for flag in flags):
+        print(_help(command, module))
+        return 0
+    if any(flag.split("=")[0] in _HYDRA_FLAGS for flag in flags):
+        return _run_hydra(command, module, overrides, flags, multirun)
+    try:
+        if multirun:
+            _precheck_sweep(command, module, overrides)
+        else:
+            from megapipe.config import compose
+
+            cfg = compose([*overrides, f"hydra.job.name={command}"], return_hydra_config=True)
+            prepared = module.prepare(cfg)
+    except MegapipeError as exc:
+        return _fail(command, str(exc))
+    except Exception as exc:  # Hydra's composition errors: unknown group option, bad key, bad value
+        return _fail(command, _describe(exc))
+    if multirun:
+        return _run_hydra(command, module, overrides, flags, multirun)
+    try:
+        _run_once(command, module, cfg, prepared, overrides)
+    except MegapipeError as exc:
+        return _fail(command, str(exc))
+    return 0
+
+
+def _make_run_dir(cfg) -> str:
+    """``output.dir`` as given, else Hydra's ``hydra.run.dir``; a second run in the same second gets ``-1``, ``-2``..."""
+    if cfg.output.get("dir"):
+        directory = str(cfg.output.dir)
+        os.makedirs(directory, exist_ok=True)
+        return directory
+    base = str(cfg.hydra.run.dir)
+    for attempt in itertools.count():
+        directory = base if attempt == 0 else f"{base}-{attempt}"
         try:
-            _precheck(overrides, multirun, getattr(module, "precheck", None))
+            os.makedirs(directory)
+            return directory
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def _record_run(cfg, overrides: list[str], directory: str) -> None:
+    """Hydra's ``.hydra/`` record of a run: the composed config and the overrides."""
+    from omegaconf import OmegaConf
+
+    from megapipe.io import atomic_write_text, dump_yaml
+
+    record = os.path.join(directory, ".hydra")
+    task = OmegaConf.to_container(cfg, resolve=False)
+    task.pop("hydra", None)
+    atomic_write_text(os.path.join(record, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(task)))
+    atomic_write_text(os.path.join(record, "overrides.yaml"), dump_yaml(list(overrides)))
+
+
+def _run_once(command: str, module, cfg, prepared, overrides: list[str]) -> None:
+    """Make the run directory, record the run, log to ``<command>.log``, run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(cfg)
+    directory = _make_run_dir(cfg)
+    _record_run(cfg, overrides, directory)
+    handler = logging.FileHandler(os.path.join(directory, f"{command}.log"), encoding="utf-8")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        module.run(prepared, directory=directory)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+def _task(command: str, module, multirun: bool):
+    def task(cfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        try:
+            prepared = module.prepare(cfg)
+            directory = cfg.output.get("dir") or HydraConfig.get().runtime.output_dir
+            module.run(prepared, directory=str(directory))
         except MegapipeError as exc:
-            return _fail(command, str(exc))
-        except Exception as exc:  # Hydra's composition errors: unknown group option, bad key, bad value
-            return _fail(command, _describe(exc))
-    return _run_hydra(command, module, overrides, flags, multirun)
+            code = _fail(command, str(exc))
+            if not multirun:
+                sys.exit(code)
+
+    return task
 
 
 def _run_hydra(command: str, module, overrides: list[str], flags: list[str], multirun: bool) -> int:
+    """Hydra's own runner: sweeps with their launchers, and Hydra's flags (--cfg, --info, ...)."""
     import hydra
 
     from megapipe.config import conf_dir, register_configs

@@ -9,7 +9,10 @@ their unit in the name otherwise.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+
+from megapipe.errors import ProfileError
 
 __all__ = [
     "Activation",
@@ -24,6 +27,7 @@ __all__ = [
     "ParallelSpec",
     "TrainSpec",
     "LayerCost",
+    "Profile",
     "StageSpec",
     "SEARCH_DIMENSIONS",
 ]
@@ -228,6 +232,51 @@ class LayerCost:
     """Activation bytes kept per in-flight microbatch."""
     param_count: float = 0.0
     """Parameters of this unit per GPU (after TP sharding), for the ``parameters`` split."""
+
+
+_LAYER_NUMBERS = ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Profile:
+    """Per-unit costs for one microbatch: embedding, each decoder layer, MTP layers, loss, in model order.
+
+    Written by the cost model (:func:`megapipe.cost.layer_costs`) or measured (``megapipe profile``);
+    its file form is ``megapipe-profile/1`` (:mod:`megapipe.profile.format`, :mod:`megapipe.io`).
+    """
+
+    layers: tuple[LayerCost, ...]
+    device: str = ""
+    """The GPU (cluster config name or torch device name) the times are for."""
+    meta: tuple[tuple[str, str], ...] = field(default=())
+    """Provenance: source, torch / megatron-core versions, shapes, date."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "meta", tuple((str(k), str(v)) for k, v in dict(self.meta).items()))
+        if not self.layers:
+            raise ProfileError("profile has no layers")
+        for index, layer in enumerate(self.layers):
+            for key in _LAYER_NUMBERS:
+                value = getattr(layer, key)
+                if not math.isfinite(value) or value < 0:
+                    raise ProfileError(f"layers[{index}] ({layer.name}): {key}={value!r} must be finite and >= 0")
+            if layer.wgrad_ms > layer.bwd_ms * (1 + 1e-9):
+                raise ProfileError(
+                    f"layers[{index}] ({layer.name}): wgrad_ms={layer.wgrad_ms} exceeds bwd_ms={layer.bwd_ms}; "
+                    "wgrad_ms is the weight-gradient part of bwd_ms"
+                )
+        kinds = [layer.kind for layer in self.layers]
+        if kinds.count(LayerKind.embedding) > 1 or kinds.count(LayerKind.loss) > 1:
+            raise ProfileError("a profile holds at most one embedding and one loss entry")
+        if LayerKind.embedding in kinds and kinds[0] != LayerKind.embedding:
+            raise ProfileError("the embedding entry must come first")
+        if LayerKind.loss in kinds and kinds[-1] != LayerKind.loss:
+            raise ProfileError("the loss entry must come last")
+
+    @property
+    def num_decoder_layers(self) -> int:
+        return sum(1 for layer in self.layers if layer.kind == LayerKind.decoder)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,10 +25,10 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megapipe.commands.plan import search_inputs, search_options  # noqa: E402
+from megapipe.config import to_setup  # noqa: E402
 from megapipe.config import compose  # noqa: E402
 from megapipe.errors import InfeasibleError, ScheduleError  # noqa: E402
-from megapipe.plan.evaluate import Evaluator  # noqa: E402
+from megapipe.plan.evaluator import Evaluator  # noqa: E402
 from megapipe.plan.search import search  # noqa: E402
 from megapipe.plan.space import enumerate_candidates  # noqa: E402
 from megapipe.schedules import in_flight, registry  # noqa: E402
@@ -71,10 +71,10 @@ def _search(setup, fixed, options, repeats: int):
 def _exact_rate(setup, options, space, count: int) -> tuple[float, float, int]:
     """Exact evaluations per CPU second over candidates that fit memory: schedules built as needed, then built."""
     evaluator = Evaluator(model=setup.model, cluster=setup.cluster, options=options)
-    fitting = [cand for cand in space.candidates if evaluator.split_can_fit(cand)]
+    fitting = [cand for cand in space.candidates if evaluator.bounds.split_can_fit(cand)]
     sample = random.Random(1).sample(fitting, min(count, len(fitting)))
     for cand in sample:  # layer costs are costed once per search; keep them out of the rate
-        evaluator.profile(cand)
+        evaluator.costs.profile(cand)
     _clear_caches()
     rates = []
     for _ in range(2):  # first pass builds each schedule once; the second finds them built
@@ -109,8 +109,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     cfg = compose(["model=llama3_70b", "cluster=h100_80gb", "train.seq_length=8192", "train.global_batch_size=256"])
-    setup, fixed = search_inputs(cfg)
-    options = search_options(cfg)
+    setup = to_setup(cfg, search=True)
+    fixed = setup.fixed
+    options = setup.search
     stats, seconds = _search(setup, fixed, options, args.repeats)
     space = enumerate_candidates(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
                                  options=options)

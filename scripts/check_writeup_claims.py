@@ -14,13 +14,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megapipe.commands.plan import search_inputs, search_options
 from megapipe.config import compose, to_setup
 from megapipe.cost import activation_bytes_per_layer, layer_costs, parameter_count
 from megapipe.errors import InfeasibleError, ScheduleError
 from megapipe.partition import equal_bounds, in_flight_counts
-from megapipe.plan.evaluate import Evaluator
-from megapipe.plan.records import Candidate
+from megapipe.plan.evaluator import Evaluator
+from megapipe.plan.plans import Candidate
 from megapipe.plan.search import search
 from megapipe.records import AttentionBackend, LayerKind, ParallelSpec, Recompute, TrainSpec
 from megapipe.simulate.bubble import bubble_rows, closed_form_bubble
@@ -46,9 +45,10 @@ class Claim:
 def plan(*overrides: str):
     """The search ``megapipe plan <overrides>`` runs; returns its SearchResult."""
     cfg = compose(list(overrides))
-    setup, fixed = search_inputs(cfg)
+    setup = to_setup(cfg, search=True)
+    fixed = setup.fixed
     return search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
-                  options=search_options(cfg), use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
+                  options=setup.search, use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
 
 
 def shape(p) -> str:
@@ -67,8 +67,8 @@ def fitting_equal(*overrides: str, top_k: int = 20):
     memory; a user without an uneven split would pick another configuration.
     """
     cfg = compose([*overrides, f"search.top_k={top_k}"])
-    setup, _ = search_inputs(cfg)
-    evaluator = Evaluator(model=setup.model, cluster=setup.cluster, options=search_options(cfg))
+    setup = to_setup(cfg, search=True)
+    evaluator = Evaluator(model=setup.model, cluster=setup.cluster, options=setup.search)
     by_name = {group.gpu.name: group.gpu for group in setup.cluster.node_groups}
     best = None
     for p in plan(*overrides, f"search.top_k={top_k}").plans:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from megapipe.commands.plan import search_inputs, search_options
+from megapipe.config import to_setup
 from megapipe.config import compose
 from megapipe.plan.document import json_summary
 from megapipe.plan.search import search
@@ -27,9 +27,10 @@ SCENARIOS = {
 def scenario_summary(name: str) -> dict:
     """The search's JSON summary without its wall-clock seconds."""
     cfg = compose(SCENARIOS[name])
-    setup, fixed = search_inputs(cfg)
+    setup = to_setup(cfg, search=True)
+    fixed = setup.fixed
     result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
-                    options=search_options(cfg))
+                    options=setup.search)
     summary = json.loads(json.dumps(json_summary(result)))
     summary["search"].pop("seconds")
     return summary

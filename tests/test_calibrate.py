@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
-from megapipe.calibrate import (
+from megapipe.cost.calibrate import (
     FIELDS,
     Sample,
     cross_validate,
@@ -18,7 +18,7 @@ from megapipe.calibrate import (
     time_errors,
 )
 from megapipe.errors import ProfileError
-from megapipe.profile import Profile
+from megapipe.records import Profile
 from megapipe.records import GpuSpec, ModelSpec, ParallelSpec, TrainSpec
 
 pytest.importorskip("megapipe.cost")

@@ -28,8 +28,7 @@ REPLAN_CFG = ["model=tiny_gpt", "cluster=cpu_gloo", f"model.num_layers={NUM_LAYE
 
 
 def _wrong_profile():
-    from megapipe.profile.format import Profile
-    from megapipe.records import LayerCost, LayerKind
+    from megapipe.records import LayerCost, LayerKind, Profile
 
     def unit(name, kind, fwd_ms, bwd_ms):
         return LayerCost(name=name, kind=kind, fwd_ms=fwd_ms, bwd_ms=bwd_ms, wgrad_ms=bwd_ms / 2,
@@ -75,13 +74,15 @@ def _replan(run_dir: str, out: str, *extra: str) -> dict:
     from megapipe.commands import replan
     from megapipe.config import compose
 
-    replan.run(compose([*REPLAN_CFG, f"input={run_dir}", f"output.dir={out}", "output.format=json", *extra]))
+    cfg = compose([*REPLAN_CFG, f"input={run_dir}", f"output.dir={out}", "output.format=json", *extra])
+    replan.run(replan.prepare(cfg), directory=out)
     with open(f"{out}/replan.yaml", encoding="utf-8") as handle:
         return yaml.safe_load(handle)
 
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
+    from megapipe.io import save_profile
     from megapipe.partition import solve
     from megapipe.records import StageSpec
 
@@ -89,7 +90,7 @@ def loop(tmp_path_factory):
     wrong = _wrong_profile()
     run1, run2, run3, out = root / "run1", root / "run2", root / "run3", root / "replan1"
     run1.mkdir()
-    wrong.save(run1 / "profile.yaml")
+    save_profile(wrong, run1 / "profile.yaml")
     layout = solve(wrong, [StageSpec()] * 2, num_microbatches=MICROBATCHES).layout
     ranks = mc.run_ranks(_loop, world_size=2, args=(layout, str(run1), str(run2), str(run3), str(out)), timeout_s=240)
     return {"layout": layout, "ranks": ranks, "run1": str(run1), "run2": str(run2),
@@ -98,7 +99,7 @@ def loop(tmp_path_factory):
 
 def _measured(run_dir: str):
     from megapipe.monitor.jsonl import read_monitor
-    from megapipe.replan import measured_run
+    from megapipe.monitor.measured import measured_run
 
     return measured_run(read_monitor(run_dir))
 

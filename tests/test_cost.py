@@ -28,7 +28,8 @@ from megapipe.cost import (
 )
 from megapipe.cost.flops import mtp_gemm_flops
 from megapipe.errors import ConfigError
-from megapipe.profile import Profile
+from megapipe.profile.format import profile_from_dict, profile_to_dict
+from megapipe.records import Profile
 from megapipe.records import (
     Activation,
     AttentionBackend,
@@ -301,7 +302,7 @@ def test_profile_units_in_layout_order_and_round_trip():
         [LayerKind.mtp, LayerKind.loss]
     assert profile.device == "h100" and dict(profile.meta)["source"] == "cost_model"
     assert profile.layers[0].wgrad_ms == profile.layers[0].bwd_ms  # the embedding's backward is all weight grad
-    assert Profile.from_dict(profile.to_dict()).layers == profile.layers
+    assert profile_from_dict(profile_to_dict(profile)).layers == profile.layers
 
 
 @pytest.mark.parametrize("change, seq_length, match", [

@@ -193,7 +193,7 @@ def test_metrics_and_jsonl_records(results):
 
 def test_layout_logged_from_megatron_config_and_replan_reads_it(results):
     from megapipe.monitor.jsonl import read_monitor
-    from megapipe.replan import measured_run
+    from megapipe.monitor.measured import measured_run
 
     _, log_dir = results
     records = read_monitor(f"{log_dir}/nan")  # no plan and no layout= given: megatron-core's layout object

@@ -19,13 +19,13 @@ from megapipe.partition import (
     StageSpec,
     chunk_memory_caps,
     equal_bounds,
-    evaluate,
+    given_split,
     in_flight_counts,
     parameters_bounds,
     solve,
 )
 from megapipe.partition.memory import stage_ranks
-from megapipe.profile import Profile
+from megapipe.records import Profile
 from megapipe.records import LayerCost, LayerKind
 
 GIB = 2**30
@@ -144,7 +144,6 @@ def test_without_memory_check_matches_unconstrained_brute_force(instance):
     st.sampled_from([2, 4, 6]),
 )
 def test_virtual_stages_exact_under_share_rule(instance, schedule, num_microbatches):
-    pytest.importorskip("megapipe.schedules")
     layers, stages, _, _ = instance
     pp, vp = len(stages), 2
     in_flight = in_flight_counts(
@@ -168,7 +167,6 @@ def test_virtual_stages_exact_under_share_rule(instance, schedule, num_microbatc
 
 
 def test_share_rule_never_rejects_a_uniform_split_that_fits_the_rank():
-    pytest.importorskip("megapipe.schedules")
     layers = [_layer(LayerKind.decoder, 1.0, 2.0, 2.0 * UNIT, 1.0 * UNIT) for _ in range(8)]
     in_flight = in_flight_counts(
         schedule="interleaved_1f1b", pipeline_model_parallel_size=2, num_microbatches=4,
@@ -198,10 +196,12 @@ def test_memory_cap_moves_layers_off_the_first_stage():
 
 
 def test_closed_form_in_flight_matches_schedule_builder():
-    schedules = pytest.importorskip("megapipe.schedules")
+    from megapipe.schedules import build
+    from megapipe.schedules.registry import _peak_from_orders
+
     for pp, m in [(1, 1), (2, 1), (4, 2), (4, 8), (8, 16)]:
         for name in ("1f1b", "gpipe"):
-            built = schedules.peak_in_flight(name, pipeline_model_parallel_size=pp, num_microbatches=m)
+            built = _peak_from_orders(build(name, pipeline_model_parallel_size=pp, num_microbatches=m))
             ours = in_flight_counts(schedule=name, pipeline_model_parallel_size=pp, num_microbatches=m)
             assert ours == built, (name, pp, m)
 
@@ -362,10 +362,10 @@ def test_bad_arguments():
 def test_evaluate_reports_a_given_split():
     layers = _megatron_profile(6)
     stages = [StageSpec(memory_bytes=1.0)] * 2
-    part = evaluate(layers, stages, layers_per_stage=(4, 4), num_microbatches=4)
+    part = given_split(layers, stages, layers_per_stage=(4, 4), num_microbatches=4)
     assert part.layout == "Et*3|t*3L" and part.stage_time_ms == (11.0, 11.0) and part.method == "given"
     with pytest.raises(ConfigError, match="must sum to the profile's 8 entries"):
-        evaluate(layers, stages, layers_per_stage=(4, 3), num_microbatches=4)
+        given_split(layers, stages, layers_per_stage=(4, 3), num_microbatches=4)
 
 
 def test_entry_too_big_for_a_small_middle_stage_skips_it():
@@ -381,7 +381,6 @@ def test_entry_too_big_for_a_small_middle_stage_skips_it():
 
 
 def test_virtual_stage_error_names_the_share():
-    pytest.importorskip("megapipe.schedules")
     layers = [_layer(LayerKind.decoder, 1.0, 2.0, 2.0 * GIB, 1.0 * GIB) for _ in range(8)]
     with pytest.raises(InfeasibleError, match=r"^stage \d needs at least .* GiB but has .* GiB \(its share of pipeline rank \d's 8\.0 GiB\) \(over by"):
         solve(layers, [StageSpec(memory_bytes=8.0 * GIB)] * 2, num_microbatches=4,

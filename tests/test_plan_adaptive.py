@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapipe.plan.adaptive import split_with_options
+from megapipe.partition.options import split_with_options
 from megapipe.records import LayerCost, LayerKind, StageSpec
 
 
@@ -64,7 +64,7 @@ def test_split_with_options_equals_brute_force(data, n, num_stages, num_options)
 def test_per_stage_recompute_beats_every_uniform_setting():
     """Memory is tight on the first 1F1B stage (P microbatches in flight): recomputing only there
     lets the split balance, which no single recompute setting for all stages matches."""
-    from megapipe.plan.records import SearchOptions
+    from megapipe.plan.plans import SearchOptions
     from megapipe.plan.search import search
     from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec
 
@@ -91,8 +91,8 @@ def test_per_stage_recompute_beats_every_uniform_setting():
 def test_per_stage_bounds_hold():
     """The bounds and the memory check the search prunes per-stage candidates with, against exact evaluation."""
     from megapipe.errors import InfeasibleError
-    from megapipe.plan.evaluate import Evaluator
-    from megapipe.plan.records import SearchOptions
+    from megapipe.plan.evaluator import Evaluator
+    from megapipe.plan.plans import SearchOptions
     from megapipe.plan.space import enumerate_candidates
     from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec
 
@@ -108,13 +108,13 @@ def test_per_stage_bounds_hold():
                                  options=options)
     checked = infeasible = 0
     for cand in (c for c in space.candidates if c.per_stage_recompute and c.schedule in ("1f1b", "zb_h1")):
-        bound = ev.bound(cand)
+        bound = ev.bounds.bound(cand)
         try:
             plan = ev.evaluate(cand)
         except InfeasibleError:
             infeasible += 1
             continue
-        assert ev.split_can_fit(cand)
+        assert ev.bounds.split_can_fit(cand)
         assert bound.step_ms <= plan.step_time_s * 1e3 * (1 + 1e-9)
         assert bound.memory_bytes <= max(stage.total_bytes for stage in plan.stages) * (1 + 1e-9)
         checked += 1

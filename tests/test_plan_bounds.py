@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from megapipe import schedules
 from megapipe.errors import InfeasibleError
 from megapipe.plan.bounds import layer_shape, pipeline_floor_ms, split_can_fit
-from megapipe.plan.evaluate import Evaluator
-from megapipe.plan.records import SearchOptions
+from megapipe.plan.evaluator import Evaluator
+from megapipe.plan.plans import SearchOptions
 from megapipe.plan.space import enumerate_candidates
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, LinkSpec, ModelSpec, NodeGroup, TrainSpec
 from megapipe.simulate import StageTimes, simulate
@@ -44,7 +44,7 @@ def test_split_can_fit_equals_the_solver(memory_gib):
             fits = True
         except InfeasibleError:
             fits = False
-        assert ev.split_can_fit(cand) == fits, (cand.schedule, cand.parallel, cand.train)
+        assert ev.bounds.split_can_fit(cand) == fits, (cand.schedule, cand.parallel, cand.train)
         verdicts.append(fits)
     assert 0 < sum(verdicts) < len(verdicts)
 
@@ -98,8 +98,8 @@ def test_bound_layers_hold_the_profiles_numbers():
         if key in seen:
             continue
         seen.add(key)
-        units = Evaluator(model=model, cluster=cluster, options=options).bound_layers(cand)
-        full = Evaluator(model=model, cluster=cluster, options=options).profile(cand).layers
+        units = Evaluator(model=model, cluster=cluster, options=options).costs.bound_layers(cand)
+        full = Evaluator(model=model, cluster=cluster, options=options).costs.profile(cand).layers
         assert [dataclasses.replace(u, name="") for u in units] == [dataclasses.replace(f, name="") for f in full]
     assert len(seen) > 20
 
@@ -118,9 +118,9 @@ def test_bound_classes_share_bounds():
     shared = 0
     for cand in space.candidates:
         # a fresh evaluator per candidate: no cached term can carry one schedule's value to another
-        bound = Evaluator(model=model, cluster=cluster, options=options).bound(cand)
-        assert evaluator.bound(cand) == bound
-        assert evaluator.memory_bound_of(cand) == bound.memory_bytes
+        bound = Evaluator(model=model, cluster=cluster, options=options).bounds.bound(cand)
+        assert evaluator.bounds.bound(cand) == bound
+        assert evaluator.bounds.memory_bound_of(cand) == bound.memory_bytes
         key = cand.layer_key + (cand.parallel.data_parallel_size, spec(cand.schedule).bound_class, cand.per_stage_recompute)
         if key in seen:
             assert seen[key] == bound, (cand, key)

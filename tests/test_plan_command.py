@@ -53,15 +53,17 @@ def test_plan_table_output(tmp_path, capsys):
 
 def test_plan_table_is_readable_when_piped(monkeypatch, capsys):
     """Without a terminal or COLUMNS, rich would fold the columns into 80; the table keeps whole headers."""
-    from megapipe.commands.plan import print_plans, search_inputs, search_options
+    from megapipe.commands.plan import print_plans
+    from megapipe.config import to_setup
     from megapipe.config import compose
     from megapipe.plan.search import search
 
     monkeypatch.delenv("COLUMNS", raising=False)
     cfg = compose(TINY)
-    setup, fixed = search_inputs(cfg)
+    setup = to_setup(cfg, search=True)
+    fixed = setup.fixed
     result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
-                    options=search_options(cfg))
+                    options=setup.search)
     print_plans(result, directory="plan-dir")
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if "tok/s/GPU" in line)
@@ -117,14 +119,16 @@ def test_plan_table_shows_megatron_schedule_warnings(tmp_path, capsys):
 
 def test_default_output_explains_the_writeups_configuration(capsys):
     """The default scenario prints the write-ups' TP=4 PP=8 DP=4 next to the best plan, with where the time went."""
-    from megapipe.commands.plan import compare_line, search_inputs, search_options
+    from megapipe.commands.plan import compare_line
+    from megapipe.config import to_setup
     from megapipe.config import compose
     from megapipe.plan.search import search
 
     cfg = compose(["output.pictures=false"])
-    setup, fixed = search_inputs(cfg)
+    setup = to_setup(cfg, search=True)
+    fixed = setup.fixed
     result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
-                    options=search_options(cfg), use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
+                    options=setup.search, use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
     ref, best = result.reference, result.best
     assert (ref.parallel.tensor_model_parallel_size, ref.parallel.pipeline_model_parallel_size,
             ref.parallel.data_parallel_size) == (4, 8, 4)

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from megapipe.errors import ConfigError, InfeasibleError
-from megapipe.plan.evaluate import Evaluator
-from megapipe.plan.hetero import placements
+from megapipe.plan.evaluator import Evaluator
+from megapipe.placement import placements
 from megapipe.plan.rank import rank_plans
-from megapipe.plan.records import SearchOptions
+from megapipe.plan.plans import SearchOptions
 from megapipe.plan.search import search
 from megapipe.plan.space import enumerate_candidates
 from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec
@@ -45,7 +45,7 @@ def brute():
         except InfeasibleError:
             continue
         plans.append(plan)
-        bounds.append(ev.bound(cand))
+        bounds.append(ev.bounds.bound(cand))
     return plans, bounds
 
 

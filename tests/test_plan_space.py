@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from megapipe.errors import ConfigError
 from megapipe.plan.money import cost_per_million_tokens, gpu_hours, training_cost
 from megapipe.plan.rank import rank_plans
-from megapipe.plan.records import Plan, SearchOptions, StageUsage
+from megapipe.plan.plans import Plan, SearchOptions, StageUsage
 from megapipe.plan.space import divisors, enumerate_candidates
 from megapipe.plan.sync import dp_link, dp_sync_ms, optimizer_step_ms
 from megapipe.plan.warnings import plan_warnings

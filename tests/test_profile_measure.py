@@ -7,8 +7,9 @@ import warnings
 import pytest
 import yaml
 
+from megapipe.io import load_profile, save_profile
 from megapipe.errors import ConfigError, ProfileError
-from megapipe.profile import Profile
+from megapipe.records import Profile
 from megapipe.profile.match import ProfileDeviceWarning, match_profile, scale_profile
 from megapipe.records import GpuSpec, LayerKind, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
@@ -45,8 +46,8 @@ def profile() -> Profile:
 @pytest.mark.engine
 def test_profile_is_valid_and_round_trips(profile: Profile, tmp_path) -> None:
     path = tmp_path / "p.yaml"
-    profile.save(path)
-    loaded = Profile.load(path)
+    save_profile(profile, path)
+    loaded = load_profile(path)
     assert loaded == profile
     kinds = [layer.kind for layer in loaded.layers]
     assert kinds == [LayerKind.embedding] + [LayerKind.decoder] * 4 + [LayerKind.loss]
@@ -154,7 +155,7 @@ def test_cli_profile_then_calibrate(tmp_path, capsys) -> None:
     code = main(["profile", *CPU_RUN, f"output.dir={tmp_path}", "output.format=json",
                  "extra={iters: 2, warmup: 0, num_threads: 1}"])
     assert code == 0
-    written = Profile.load(tmp_path / "profile.yaml")
+    written = load_profile(tmp_path / "profile.yaml")
     assert written.device == "cpu" and dict(written.meta)["gpu_bf16_tflops"] == "0.1"
     assert written.num_decoder_layers == 4
     assert not list(tmp_path.glob(".tmp-*"))  # atomic write leaves no temporary file
@@ -173,7 +174,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:
     assert main(["profile", *CPU_RUN, f"output.dir={tmp_path}", "extra={iterations: 3}"]) == 2
     assert "extra.iterations" in capsys.readouterr().err
     other = Profile(layers=_placeholder_layers(), device="h100_80gb")
-    other.save(tmp_path / "h100.yaml")
+    save_profile(other, tmp_path / "h100.yaml")
     assert main(["calibrate", str(tmp_path / "h100.yaml"), *CPU_RUN, f"output.dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "h100_80gb" in err and "\n" not in err

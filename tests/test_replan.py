@@ -1,4 +1,4 @@
-"""megapipe.replan (attribution, re-solve, gain decision) and ``megapipe replan RUN_DIR``."""
+"""megapipe.plan.replan (attribution, re-solve, gain decision) and ``megapipe replan RUN_DIR``."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megapipe.io import load_profile, save_profile
 from megapipe.errors import ConfigError, MegapipeError, ProfileError
 from megapipe.layout import format_layout
 from megapipe.monitor.jsonl import JsonlWriter
-from megapipe.partition import evaluate, solve
-from megapipe.profile.format import Profile
-from megapipe.records import LayerCost, LayerKind, StageSpec
-from megapipe.replan import MeasuredRun, attribute_memory, attribute_times, measured_run, replan, stage_entries
+from megapipe.partition import given_split, solve
+from megapipe.records import LayerCost, LayerKind, Profile, StageSpec
+from megapipe.monitor.measured import measured_run
+from megapipe.plan.replan import MeasuredRun, attribute_memory, attribute_times, replan, stage_entries
 
 STAGES2 = (StageSpec(memory_bytes=2**34),) * 2
 
@@ -97,10 +98,10 @@ def _check_attribution(profile, counts, forward, backward, scales, attribution):
 
 def test_memory_attribution_reproduces_measured_rank_peaks():
     profile = _profile((2.0, 4.0), (2.0, 4.0))
-    old = evaluate(profile, STAGES2, layers_per_stage=[5, 5], num_microbatches=8, schedule="1f1b")
+    old = given_split(profile, STAGES2, layers_per_stage=[5, 5], num_microbatches=8, schedule="1f1b")
     peaks = (old.rank_memory_bytes[0] * 1.7, old.rank_memory_bytes[1] * 0.6)
     corrected = attribute_memory(profile, old=old, rank_peak_bytes=peaks)
-    again = evaluate(corrected, STAGES2, layers_per_stage=[5, 5], num_microbatches=8, schedule="1f1b")
+    again = given_split(corrected, STAGES2, layers_per_stage=[5, 5], num_microbatches=8, schedule="1f1b")
     assert again.rank_memory_bytes == pytest.approx(peaks, rel=1e-12)
     assert corrected.layers[1].act_bytes / corrected.layers[1].static_bytes == pytest.approx(0.1)
 
@@ -122,7 +123,7 @@ def test_replan_moves_layers_off_the_measured_bottleneck():
     assert result.new_step_ms == pytest.approx(7 * 48.0 + 84.3)
     assert result.gain == pytest.approx(result.old_step_ms / result.new_step_ms - 1) and result.gain > 0.15
     assert result.suggest and "min_gain" in result.reason
-    true_new = evaluate(truth, STAGES2, layers_per_stage=result.new.layers_per_stage, num_microbatches=8)
+    true_new = given_split(truth, STAGES2, layers_per_stage=result.new.layers_per_stage, num_microbatches=8)
     assert true_new.bottleneck_ms < 60.0  # the true costs of the new layout are better too
 
 
@@ -223,7 +224,7 @@ CFG = ["model=tiny_gpt", "cluster=cpu_gloo", "model.num_layers=8", "parallel.ten
 def _run_dir(tmp_path, *, layout="Et*4|t*4L", profile=None):
     run_dir = tmp_path / "run"
     _write_run(run_dir, layout=layout, forward=[8.2, 20.2], backward=[16.4, 40.4])
-    (profile or _profile((2.0, 4.0), (2.0, 4.0))).save(run_dir / "profile.yaml")
+    save_profile(profile or _profile((2.0, 4.0), (2.0, 4.0)), run_dir / "profile.yaml")
     return run_dir
 
 
@@ -232,7 +233,7 @@ def _replan_json(run_dir, out, capsys, *extra) -> dict:
     from megapipe.config import compose
 
     cfg = compose([*CFG, f"input={run_dir}", f"output.dir={out}", "output.format=json", *extra])
-    command.run(cfg)
+    command.run(command.prepare(cfg), directory=str(out))
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
@@ -244,7 +245,7 @@ def test_command_writes_corrected_profile_and_suggests(tmp_path, capsys):
     assert any("Et*5|t*3L" in override for override in result["bridge_overrides"])
     assert "--pipeline-model-parallel-layout" in result["megatron_args"]
     assert "--global-batch-size 8" in result["megatron_args"]  # 8 microbatches from the log, DP 1
-    corrected = Profile.load(out / "profile.yaml")
+    corrected = load_profile(out / "profile.yaml")
     assert sum(e.fwd_ms for e in corrected.layers[:5]) == pytest.approx(8.2)
     assert sum(e.bwd_ms for e in corrected.layers[5:]) == pytest.approx(40.4)
     assert yaml.safe_load((out / "replan.yaml").read_text())["new_layout"] == "Et*5|t*3L"

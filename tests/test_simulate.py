@@ -297,11 +297,11 @@ def test_gantt_png_is_written_and_deterministic(tmp_path):
 
 
 def _run_command(tmp_path, capsys, *overrides):
-    from megapipe.commands.simulate import run
+    from megapipe.commands.simulate import prepare, run
     from megapipe.config import compose
 
     cfg = compose(["output.format=json", f"output.dir={tmp_path}", *overrides])
-    run(cfg)
+    run(prepare(cfg), directory=str(tmp_path))
     import json
 
     return json.loads(capsys.readouterr().out)

@@ -18,29 +18,32 @@ import os
 
 from omegaconf import DictConfig
 
+from megapipe.commands.common import console, print_json
+from megapipe.config import Setup, to_setup
+from megapipe.cost.calibrate import FIELDS, cross_validate, fit_gpu, overlay_yaml, sample_from_profile
 from megapipe.errors import ConfigError, ProfileError
-from megapipe.profile.format import Profile, atomic_write_text
+from megapipe.io import atomic_write_text, load_profile
 
-__all__ = ["run"]
+__all__ = ["prepare", "run"]
 
 
-def _paths(cfg: DictConfig) -> list[str]:
-    raw = cfg.get("input")
-    if not raw:
+def _paths(setup: Setup) -> list[str]:
+    if not setup.input:
         raise ConfigError("no profile given; run `megapipe calibrate PROFILE [PROFILE ...]`")
-    return [path for path in str(raw).split(os.pathsep) if path]
+    return [path for path in str(setup.input).split(os.pathsep) if path]
 
 
-def run(cfg: DictConfig) -> None:
-    from megapipe.calibrate import FIELDS, cross_validate, fit_gpu, overlay_yaml, sample_from_profile
-    from megapipe.cli import output_dir
-    from megapipe.config import to_setup
-
+def prepare(cfg: DictConfig) -> Setup:
     setup = to_setup(cfg)
+    _paths(setup)
+    return setup
+
+
+def run(setup: Setup, *, directory: str) -> None:
     gpu = setup.cluster.gpu
     samples = []
-    for path in _paths(cfg):
-        profile = Profile.load(path)
+    for path in _paths(setup):
+        profile = load_profile(path)
         if profile.device != gpu.name:
             raise ProfileError(
                 f"{path} was measured on {profile.device!r} but cluster GPU is {gpu.name!r}; "
@@ -49,7 +52,6 @@ def run(cfg: DictConfig) -> None:
         samples.append(sample_from_profile(profile, source=path))
     calibration = fit_gpu(samples=samples, gpu=gpu)
     folds = cross_validate(samples=samples, gpu=gpu) if len(samples) > 1 else ()
-    directory = output_dir(cfg)
     overlay = os.path.join(directory, "calibration", f"{gpu.name}.yaml")
     atomic_write_text(overlay, overlay_yaml(calibration, comment=f"megapipe calibrate on {len(samples)} profile(s)"))
     result = {
@@ -69,14 +71,13 @@ def run(cfg: DictConfig) -> None:
         "overrides": [f"cluster.gpu.{name}={float(f'{getattr(calibration.gpu, name):.6g}')!r}" for name in FIELDS],
     }
     atomic_write_text(os.path.join(directory, "calibration.json"), json.dumps(result, indent=2) + "\n")
-    if getattr(cfg.output.format, "value", cfg.output.format) == "json":
-        print(json.dumps(result))
+    if setup.output.json:
+        print_json(result)
         return
     _print(result, directory=directory)
 
 
 def _print(result: dict, *, directory: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"calibration of {result['gpu']}")
@@ -85,18 +86,18 @@ def _print(result: dict, *, directory: str) -> None:
     for name, value in result["fitted"].items():
         fitted = f"{value:.4g}" if name in result["identified"] else f"{value:.4g} (not identified)"
         table.add_row(name, f"{result['prior'][name]:.4g}", fitted)
-    console = Console()
-    console.print(table)
-    console.print(
+    out = console()
+    out.print(table)
+    out.print(
         f"mean |predicted/measured - 1|: {result['mean_abs_rel_error_before']:.1%} before, "
         f"{result['mean_abs_rel_error_after']:.1%} after"
     )
     for fold in result["cross_validation"]:
-        console.print(
+        out.print(
             f"  held out {fold['label']}: {fold['mean_abs_rel_error_before']:.1%} -> "
             f"{fold['mean_abs_rel_error_after']:.1%}"
         )
     name = os.path.splitext(os.path.basename(result["overlay"]))[0]
-    console.print(f"use: hydra.searchpath=[file://{os.path.abspath(directory)}] +calibration={name}",
+    out.print(f"use: hydra.searchpath=[file://{os.path.abspath(directory)}] +calibration={name}",
                   markup=False, soft_wrap=True)
-    console.print("or:  " + " ".join(result["overrides"]), markup=False, soft_wrap=True)
+    out.print("or:  " + " ".join(result["overrides"]), markup=False, soft_wrap=True)

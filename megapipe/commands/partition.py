@@ -9,74 +9,18 @@ the configured schedule). ``output.format=json`` prints one JSON object instead.
 
 from __future__ import annotations
 
-import json
-import sys
-import warnings
-
 from omegaconf import DictConfig
 
-from megapipe import cost
+from megapipe.commands.common import console, pipeline_p2p, print_json, setup_profile, setup_stage_specs, stage_times
 from megapipe.config import Setup, to_setup
 from megapipe.emit import emit
 from megapipe.partition import solve
-from megapipe.profile.format import Profile
-from megapipe.profile.match import match_profile
-from megapipe.records import LayerKind, Partition, StageSpec
+from megapipe.records import LayerKind, Partition, Profile
 from megapipe.schedules import build
-from megapipe.simulate import P2PCost, SimResult, StageTimes, simulate
-from megapipe.simulate import inputs as simulate_inputs
-from megapipe.stages import stage_specs
+from megapipe.simulate import SimResult, simulate
+from megapipe.units import GIB
 
-__all__ = ["run", "matched_profile", "setup_profile", "setup_stage_specs", "stage_times", "pipeline_p2p"]
-
-GIB = 2**30
-
-
-def matched_profile(setup: Setup) -> Profile:
-    """The ``profile=FILE`` profile, checked against the model's shape and scaled for the cluster's GPU."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        profile = match_profile(Profile.load(setup.profile_path), model=setup.model, gpu=setup.cluster.gpu)
-    for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
-    return profile
-
-
-def setup_profile(setup: Setup) -> Profile:
-    """The measured profile given with ``profile=FILE`` (checked against the model), else the cost model's."""
-    if setup.profile_path:
-        return matched_profile(setup)
-    return cost.layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster,
-                            parallel=setup.parallel, train=setup.train)
-
-
-def setup_stage_specs(setup: Setup, profile: Profile, *, pipeline_model_parallel_size: int | None = None):
-    """StageSpecs for the setup's cluster. On a mixed cluster costed by the cost model, each GPU type's
-    time_scale is the ratio of its modelled layer times to the reference GPU's, as in the planner."""
-    pp = pipeline_model_parallel_size or setup.parallel.pipeline_model_parallel_size
-    scales = None
-    if setup.cluster.is_heterogeneous and not setup.profile_path:
-        reference_ms = _total_ms(profile)
-        scales = {group.gpu.name: _total_ms(cost.layer_costs(model=setup.model, gpu=group.gpu, cluster=setup.cluster,
-                                                             parallel=setup.parallel, train=setup.train)) / reference_ms
-                  for group in setup.cluster.node_groups}
-    return stage_specs(setup.cluster, pipeline_model_parallel_size=pp, time_scales=scales)
-
-
-def _total_ms(profile: Profile) -> float:
-    return sum(layer.fwd_ms + layer.bwd_ms for layer in profile.layers)
-
-
-def stage_times(profile: Profile, part: Partition, specs: tuple[StageSpec, ...], stage_to_rank) -> StageTimes:
-    """Per layout stage F, B, W (scaled by the rank's time_scale) and activation bytes."""
-    return simulate_inputs.stage_times(layers=profile.layers, layers_per_stage=part.layers_per_stage,
-                                       stage_to_rank=stage_to_rank, specs=specs)
-
-
-def pipeline_p2p(setup: Setup) -> P2PCost:
-    """The configured model's message between pipeline neighbours on the configured cluster."""
-    return simulate_inputs.p2p_cost(model=setup.model, cluster=setup.cluster, parallel=setup.parallel,
-                                    train=setup.train)
+__all__ = ["prepare", "run", "result_dict"]
 
 
 def _solve_and_simulate(setup: Setup, profile: Profile, specs, *, method: str) -> tuple[Partition, SimResult]:
@@ -131,10 +75,9 @@ def result_dict(setup: Setup, optimal: Partition, optimal_sim: SimResult, equal:
 
 
 def _print_table(setup: Setup, specs, optimal: Partition, result: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(soft_wrap=True)
+    out = console(soft_wrap=True)
     par = setup.parallel
     table = Table(title=f"{setup.model.name} on {setup.cluster.name}: TP={par.tensor_model_parallel_size} "
                         f"PP={par.pipeline_model_parallel_size} VP={par.virtual_pipeline_model_parallel_size} "
@@ -151,17 +94,17 @@ def _print_table(setup: Setup, specs, optimal: Partition, result: dict) -> None:
                       f"{optimal.stage_static_bytes[stage] / GIB:.2f}", f"{act / GIB:.2f}",
                       f"{optimal.stage_memory_bytes[stage] / GIB:.2f}",
                       f"{(cap - optimal.stage_memory_bytes[stage]) / GIB:.2f}")
-    console.print(table)
+    out.print(table)
     equal = result["equal"]
-    console.print(f"layout:        {result['layout']}")
-    console.print(f"Megatron-LM:   {result['megatron_args']}", soft_wrap=True)
-    console.print(f"optimal:       bottleneck {result['bottleneck_ms']:.2f} ms, step {result['step_time_ms']:.1f} ms, "
+    out.print(f"layout:        {result['layout']}")
+    out.print(f"Megatron-LM:   {result['megatron_args']}", soft_wrap=True)
+    out.print(f"optimal:       bottleneck {result['bottleneck_ms']:.2f} ms, step {result['step_time_ms']:.1f} ms, "
                   f"bubble {result['bubble_fraction']:.1%}")
-    console.print(f"equal split:   {equal['layout']}  bottleneck {equal['bottleneck_ms']:.2f} ms, "
+    out.print(f"equal split:   {equal['layout']}  bottleneck {equal['bottleneck_ms']:.2f} ms, "
                   f"step {equal['step_time_ms']:.1f} ms{'' if equal['fits_memory'] else ' (does not fit memory)'}")
-    console.print(f"predicted gain over the equal split: {result['predicted_gain']:+.1%}")
+    out.print(f"predicted gain over the equal split: {result['predicted_gain']:+.1%}")
     for warning in result["warnings"]:
-        console.print(f"warning: {warning}")
+        out.print(f"warning: {warning}")
 
 
 def _describe_stage(kinds) -> str:
@@ -171,14 +114,17 @@ def _describe_stage(kinds) -> str:
     return f"{extra}{decoders}{tail}"
 
 
-def run(cfg: DictConfig) -> None:
-    setup = to_setup(cfg)
+def prepare(cfg: DictConfig) -> Setup:
+    return to_setup(cfg)
+
+
+def run(setup: Setup, *, directory: str) -> None:
     profile = setup_profile(setup)
-    specs = setup_stage_specs(setup, profile)
+    specs = setup_stage_specs(setup)
     optimal, optimal_sim = _solve_and_simulate(setup, profile, specs, method="optimal")
     equal, equal_sim = _solve_and_simulate(setup, profile, specs, method="equal")
     result = result_dict(setup, optimal, optimal_sim, equal, equal_sim)
-    if cfg.output.format == "json":
-        print(json.dumps(result, sort_keys=False))
+    if setup.output.json:
+        print_json(result)
     else:
         _print_table(setup, specs, optimal, result)

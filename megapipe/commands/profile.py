@@ -15,29 +15,33 @@ which case launch as many processes with ``torchrun``; rank 0 writes the file.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from megapipe.commands.common import console, print_json
+from megapipe.config import Setup, to_setup
 from megapipe.errors import ConfigError
-from megapipe.profile.format import Profile
+from megapipe.io import save_profile
+from megapipe.records import Profile
 
-__all__ = ["run", "profile_options"]
+__all__ = ["prepare", "run", "profile_options"]
 
 _KEYS = ("device", "warmup", "iters", "num_threads", "dtype", "out", "device_name")
 
 
-def profile_options(cfg: DictConfig) -> dict:
+def profile_options(setup: Setup) -> dict:
     """The ``extra`` mapping, checked for unknown keys."""
-    extra = cfg.get("extra")
-    options = OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else (extra or {})
-    if not isinstance(options, dict):
-        raise ConfigError(f"extra={extra!r} must be a mapping such as extra='{{iters: 10}}'")
-    unknown = sorted(set(options) - set(_KEYS))
+    unknown = sorted(set(setup.extra) - set(_KEYS))
     if unknown:
         raise ConfigError(f"unknown profile setting(s) extra.{', extra.'.join(unknown)}; use {', '.join(_KEYS)}")
-    return options
+    return dict(setup.extra)
+
+
+def prepare(cfg: DictConfig) -> Setup:
+    setup = to_setup(cfg)
+    profile_options(setup)
+    return setup
 
 
 def _device_name(requested: str | None, *, torch_name: str, gpu_name: str) -> str:
@@ -48,13 +52,10 @@ def _device_name(requested: str | None, *, torch_name: str, gpu_name: str) -> st
     return gpu_name if family and family in torch_name.lower() else torch_name
 
 
-def run(cfg: DictConfig) -> None:
-    from megapipe.cli import output_dir
-    from megapipe.config import to_setup
+def run(setup: Setup, *, directory: str) -> None:
     from megapipe.profile.measure import MeasureOptions, measure_profile
 
-    setup = to_setup(cfg)
-    options = profile_options(cfg)
+    options = profile_options(setup)
     parallel = setup.parallel
     if "tensor_model_parallel_size" not in setup.fixed:
         parallel = dataclasses.replace(parallel, tensor_model_parallel_size=1, sequence_parallel=False)
@@ -72,9 +73,9 @@ def run(cfg: DictConfig) -> None:
     profile = Profile(layers=profile.layers, device=device, meta=tuple(meta.items()))
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every TP rank measured; rank 0 writes
         return
-    path = options.get("out") or os.path.join(output_dir(cfg), "profile.yaml")
-    profile.save(path)
-    _report(profile, path=path, as_json=getattr(cfg.output.format, "value", cfg.output.format) == "json")
+    path = options.get("out") or os.path.join(directory, "profile.yaml")
+    save_profile(profile, path)
+    _report(profile, path=path, as_json=setup.output.json)
 
 
 class _progress:
@@ -109,10 +110,9 @@ def _report(profile: Profile, *, path: str, as_json: bool) -> None:
         units = {kind: {key: getattr(layer, key) for key in ("fwd_ms", "bwd_ms", "wgrad_ms", "act_bytes",
                                                              "static_bytes", "param_count")}
                  for kind, layer in first.items()}
-        print(json.dumps({"profile": path, "device": profile.device, "num_decoder_layers": profile.num_decoder_layers,
-                          "units": units}))
+        print_json({"profile": path, "device": profile.device, "num_decoder_layers": profile.num_decoder_layers,
+                    "units": units})
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"profile of {dict(profile.meta).get('model', '?')} on {profile.device}")
@@ -122,6 +122,6 @@ def _report(profile: Profile, *, path: str, as_json: bool) -> None:
         label = f"{kind} x{profile.num_decoder_layers}" if kind == "decoder" else kind
         table.add_row(label, f"{layer.fwd_ms:.3f}", f"{layer.bwd_ms:.3f}", f"{layer.wgrad_ms:.3f}",
                       f"{layer.act_bytes / 2**20:.2f}", f"{layer.param_count:,.0f}")
-    console = Console()
-    console.print(table)
-    console.print(f"wrote {path}")
+    out = console()
+    out.print(table)
+    out.print(f"wrote {path}")

@@ -8,7 +8,7 @@ Reads the run's ``megapipe-monitor/1`` logs (RUN_DIR or RUN_DIR/monitor), the pr
 run was planned with (``profile=FILE``, else RUN_DIR/profile.yaml) and, when present,
 RUN_DIR/plan.yaml (model, cluster, parallel sizes, schedule and micro-batches of the run;
 without it they come from the config, pipeline sizes and micro-batches from the log).
-Attributes each stage's measured time to its layers (:mod:`megapipe.replan`), writes the
+Attributes each stage's measured time to its layers (:mod:`megapipe.plan.replan`), writes the
 corrected profile (``profile.yaml``) and ``replan.yaml`` into the output directory, solves
 again and prints the new layout, the predicted gain and the overrides to apply, or why
 the current layout stays (gain below ``search.min_gain``).
@@ -17,27 +17,41 @@ the current layout stays (gain below ``search.min_gain``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
+from dataclasses import dataclass
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from megapipe.config import Setup, to_setup
+from megapipe.commands.common import console, pipeline_p2p, print_json, setup_stage_specs
+from megapipe.config import OutputOptions, ReplanOptions, Setup, to_setup
+from megapipe.config.options import output_options, replan_options
 from megapipe.errors import ConfigError
-from megapipe.profile.format import Profile, atomic_write_text
+from megapipe.io import PLAN_FILE, atomic_write_text, dump_yaml, load_profile, read_plan, save_profile
+from megapipe.monitor.jsonl import FORMAT as MONITOR_FORMAT
+from megapipe.monitor.jsonl import read_monitor
+from megapipe.monitor.measured import measured_run
+from megapipe.placement import gpus_by_name
+from megapipe.plan.replan import MeasuredRun, Replan, replan
 from megapipe.profile.match import match_profile
+from megapipe.records import Profile
 from megapipe.schedules import megatron_schedule
-from megapipe.replan import ATTRIBUTIONS, MeasuredRun, Replan, measured_run, replan
-from megapipe.stages import stage_specs
 
-__all__ = ["run", "precheck", "result_dict"]
+__all__ = ["ReplanJob", "prepare", "run", "result_dict"]
 
 
-def precheck(cfg: DictConfig) -> None:
-    """Before Hydra runs: a run directory is given (the rest depends on its files)."""
-    _run_dir(cfg)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplanJob:
+    """A monitored run, read once: its setup, measurements, recorded plan and the profile it was planned with."""
+
+    run_dir: str
+    setup: Setup
+    measured: MeasuredRun
+    plan: dict | None
+    """The run's plan.yaml (megapipe-plan/1), when it has one."""
+    profile: Profile
+    options: ReplanOptions
+    output: OutputOptions
 
 
 def _run_dir(cfg: DictConfig) -> str:
@@ -49,50 +63,24 @@ def _run_dir(cfg: DictConfig) -> str:
     return str(path)
 
 
-def _load_plan(run_dir: str) -> dict | None:
-    path = os.path.join(run_dir, "plan.yaml")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as handle:
-        try:
-            document = yaml.safe_load(handle)
-        except yaml.YAMLError:
-            raise ConfigError(f"{path} is not valid YAML; restore the plan.yaml `megapipe plan` wrote") from None
-    if not isinstance(document, dict) or document.get("format") != "megapipe-plan/1" or "best" not in document:
-        raise ConfigError(f"{path} is not a megapipe-plan/1 document; restore the plan.yaml `megapipe plan` wrote")
-    return document
-
-
 def _plan_setup(plan: dict) -> Setup:
-    """The planned run's setup: the plan's resolved inputs with its best plan's sizes filled in."""
-    inputs = OmegaConf.create(plan.get("inputs") or {})
-    OmegaConf.set_struct(inputs, False)
+    """The planned run's setup: the plan's recorded inputs, searched dimensions filled with its best plan's."""
     best = plan["best"]
-    for key, value in best["parallel"].items():
-        if key != "data_parallel_size":
-            inputs.parallel[key] = value
-    for key in ("micro_batch_size", "global_batch_size", "seq_length", "recompute_granularity", "num_microbatches"):
-        inputs.train[key] = best["train"][key]
-    inputs.schedule = {"name": best["schedule"]}
-    return to_setup(inputs)
+    fill = {key: value for key, value in best["parallel"].items() if key != "data_parallel_size"}
+    fill.update({key: best["train"][key] for key in ("micro_batch_size", "recompute_granularity", "num_microbatches")})
+    fill["schedule"] = best["schedule"]
+    return to_setup(OmegaConf.create(plan.get("inputs") or {}), fill=fill)
 
 
 def _config_setup(cfg: DictConfig, measured: MeasuredRun) -> Setup:
     """No plan.yaml: the config, with pipeline sizes and micro-batches the user left null taken from the log."""
-    probe = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    OmegaConf.set_struct(probe, False)
-    stages = len(measured.stage_forward_ms)
-    if probe.parallel.get("pipeline_model_parallel_size") is None:
-        probe.parallel.pipeline_model_parallel_size = measured.pipeline_model_parallel_size
-    if probe.parallel.get("virtual_pipeline_model_parallel_size") is None:
-        probe.parallel.virtual_pipeline_model_parallel_size = stages // measured.pipeline_model_parallel_size
-    from_log = probe.train.get("num_microbatches") is None and bool(measured.num_microbatches)
-    if from_log:
-        probe.train.num_microbatches = measured.num_microbatches
-    if probe.schedule.get("name") is None:
-        probe.schedule.name = str(megatron_schedule(stages // measured.pipeline_model_parallel_size))
-    setup = to_setup(probe)
-    if from_log:  # the emitted global batch must agree with the run's micro-batches
+    pp = measured.pipeline_model_parallel_size
+    chunks = len(measured.stage_forward_ms) // pp
+    fill = {"pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": chunks,
+            "schedule": megatron_schedule(chunks), "num_microbatches": measured.num_microbatches}
+    setup = to_setup(cfg, fill=fill)
+    if cfg.train.num_microbatches is None and measured.num_microbatches:
+        # the emitted global batch must agree with the run's micro-batches
         batch = setup.num_microbatches * setup.train.micro_batch_size * setup.parallel.data_parallel_size
         setup = dataclasses.replace(setup, train=dataclasses.replace(setup.train, global_batch_size=batch))
     return setup
@@ -102,7 +90,19 @@ def _profile(cfg: DictConfig, run_dir: str, setup: Setup) -> Profile:
     path = cfg.get("profile") or os.path.join(run_dir, "profile.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"no profile at {path!r}: pass the profile the run was planned with (profile=FILE)")
-    return match_profile(Profile.load(path), model=setup.model)
+    return match_profile(load_profile(path), model=setup.model)
+
+
+def prepare(cfg: DictConfig) -> ReplanJob:
+    """Read the run directory: monitor logs, plan.yaml when present, and the profile."""
+    run_dir = _run_dir(cfg)
+    options = replan_options(cfg)
+    plan = read_plan(run_dir) if os.path.isfile(os.path.join(run_dir, PLAN_FILE)) else None
+    measured = measured_run(read_monitor(run_dir), layout=plan["best"].get("layout") if plan else None)
+    setup = _plan_setup(plan) if plan is not None else _config_setup(cfg, measured)
+    _check_sizes(setup, measured, plan)
+    return ReplanJob(run_dir=run_dir, setup=setup, measured=measured, plan=plan,
+                     profile=_profile(cfg, run_dir, setup), options=options, output=output_options(cfg))
 
 
 def _check_sizes(setup: Setup, measured: MeasuredRun, plan: dict | None) -> None:
@@ -128,7 +128,7 @@ def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, director
         "measured_step_time_ms": round(measured.step_time_ms, 6) if math.isfinite(measured.step_time_ms) else None,
         "measured_stage_compute_ms": [round(t, 6) for t in measured.stage_compute_ms],
         "measured_compute_spread_ms": round(measured.compute_spread_ms, 6),
-        "schedule": setup.schedule,
+        "schedule": str(setup.schedule),
         "num_microbatches": setup.num_microbatches,
         "old_layout": result.old.layout,
         "old_stage_time_ms": [round(t, 6) for t in result.old.stage_time_ms],
@@ -151,56 +151,44 @@ def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, director
 
 
 def _print(result: dict) -> None:
-    from rich.console import Console
-
-    console = Console(soft_wrap=True)
+    out = console(soft_wrap=True)
     measured = result["measured_step_time_ms"]
-    console.print(f"run layout:    {result['run_layout']}  measured step "
+    out.print(f"run layout:    {result['run_layout']}  measured step "
                   f"{'n/a' if measured is None else f'{measured:.1f} ms'}, per-stage compute "
                   f"{', '.join(f'{t:.2f}' for t in result['measured_stage_compute_ms'])} ms/microbatch")
-    console.print(f"old layout:    {result['old_layout']}  simulated step {result['old_step_time_ms']:.1f} ms "
+    out.print(f"old layout:    {result['old_layout']}  simulated step {result['old_step_time_ms']:.1f} ms "
                   "(corrected profile)")
-    console.print(f"new layout:    {result['new_layout']}  simulated step {result['new_step_time_ms']:.1f} ms, "
+    out.print(f"new layout:    {result['new_layout']}  simulated step {result['new_step_time_ms']:.1f} ms, "
                   f"predicted gain {result['predicted_gain']:+.1%}")
-    console.print(f"corrected profile: {result['corrected_profile']}")
+    out.print(f"corrected profile: {result['corrected_profile']}")
     if not result["suggest"]:
-        console.print(f"no change suggested: {result['reason']}")
+        out.print(f"no change suggested: {result['reason']}")
         return
-    console.print(f"apply:         {result['megatron_args']}")
-    console.print(f"Megatron-Bridge: {' '.join(result['bridge_overrides'])}")
-    console.print(f"NeMo 2:        {' '.join(result['nemo2_overrides'])}")
+    out.print(f"apply:         {result['megatron_args']}")
+    out.print(f"Megatron-Bridge: {' '.join(result['bridge_overrides'])}")
+    out.print(f"NeMo 2:        {' '.join(result['nemo2_overrides'])}")
     for warning in result["warnings"]:
-        console.print(f"warning: {warning}")
+        out.print(f"warning: {warning}")
 
 
-def run(cfg: DictConfig) -> None:
-    from megapipe.cli import output_dir
-    from megapipe.commands.partition import pipeline_p2p
-    from megapipe.monitor.jsonl import read_monitor
+def _stage_specs(job: ReplanJob):
+    """The run's placement: the plan's stage GPUs when it recorded them, else the default placement."""
+    stage_gpus = (job.plan or {}).get("best", {}).get("stage_gpus")
+    gpus = gpus_by_name(job.setup.cluster, stage_gpus) if stage_gpus else None
+    return setup_stage_specs(job.setup, gpus=gpus)
 
-    run_dir = _run_dir(cfg)
-    attribution = str(cfg.search.get("replan_attribution") or "stage")
-    if attribution not in ATTRIBUTIONS:
-        raise ConfigError(f"search.replan_attribution={attribution!r} is not known; "
-                          f"use one of {', '.join(ATTRIBUTIONS)}")
-    records = read_monitor(run_dir)
-    plan = _load_plan(run_dir)
-    measured = measured_run(records, layout=plan["best"].get("layout") if plan else None)
-    setup = _plan_setup(plan) if plan is not None else _config_setup(cfg, measured)
-    _check_sizes(setup, measured, plan)
-    profile = _profile(cfg, run_dir, setup)
-    par = setup.parallel
-    specs = stage_specs(setup.cluster, pipeline_model_parallel_size=par.pipeline_model_parallel_size)
-    result = replan(profile, measured, stages=specs, schedule=setup.schedule,
+
+def run(job: ReplanJob, *, directory: str) -> None:
+    setup, par = job.setup, job.setup.parallel
+    result = replan(job.profile, job.measured, stages=_stage_specs(job), schedule=setup.schedule,
                     num_microbatches=setup.num_microbatches, p2p=pipeline_p2p(setup),
-                    min_gain=float(cfg.search.get("min_gain", 0.02)),
+                    min_gain=job.options.min_gain,
                     microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage,
-                    attribution=attribution)
-    directory = output_dir(cfg)
-    result.corrected.save(os.path.join(directory, "profile.yaml"))
-    summary = result_dict(setup, measured, result, directory=directory)
-    atomic_write_text(os.path.join(directory, "replan.yaml"), yaml.safe_dump(summary, sort_keys=False, width=120))
-    if getattr(cfg.output.format, "value", str(cfg.output.format)) == "json":
-        print(json.dumps(summary, sort_keys=False))
+                    attribution=job.options.attribution, corrected_from=MONITOR_FORMAT)
+    save_profile(result.corrected, os.path.join(directory, "profile.yaml"))
+    summary = result_dict(setup, job.measured, result, directory=directory)
+    atomic_write_text(os.path.join(directory, "replan.yaml"), dump_yaml(summary))
+    if job.output.json:
+        print_json(summary)
     else:
         _print(summary)

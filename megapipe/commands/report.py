@@ -2,39 +2,52 @@
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from megapipe.commands.common import console, print_json
+from megapipe.config import OutputOptions
+from megapipe.config.options import output_options
 from megapipe.errors import ConfigError
 from megapipe.report.sweep import gather, write_tables
 
-__all__ = ["run"]
+__all__ = ["ReportInputs", "prepare", "run"]
 
 
-def run(cfg: DictConfig) -> None:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReportInputs:
+    root: str
+    """The sweep (or plan) directory to gather."""
+    output: OutputOptions
+
+
+def prepare(cfg: DictConfig) -> ReportInputs:
+    """Only the directory and the output options: a report plans nothing, so no model or cluster is checked."""
     root = cfg.get("input")
     if not root:
         raise ConfigError("report needs a directory: megapipe report multirun/plan/DATE")
-    root = os.path.expanduser(str(root))
-    rows = gather(root)
-    out = str(cfg.output.dir) if cfg.output.get("dir") else root
+    return ReportInputs(root=os.path.expanduser(str(root)), output=output_options(cfg))
+
+
+def run(inputs: ReportInputs, *, directory: str) -> None:
+    rows = gather(inputs.root)
+    out = inputs.output.dir or inputs.root
     os.makedirs(out, exist_ok=True)
-    paths = write_tables(rows, out)
-    if cfg.output.get("pictures", True):
+    picture = os.path.join(out, "sweep.png") if inputs.output.pictures else None
+    paths = write_tables(rows, out) + ([picture] if picture else [])
+    if inputs.output.json:
+        print_json({"rows": rows, "files": paths})
+    else:
+        _print_table(rows, paths)
+    if picture:  # drawn after the answer is printed
         from megapipe.report.plots import sweep_chart
 
-        paths.append(sweep_chart(rows, os.path.join(out, "sweep.png")))
-    fmt = getattr(cfg.output.format, "value", str(cfg.output.format))
-    if fmt == "json":
-        print(json.dumps({"rows": rows, "files": paths}))
-        return
-    _print_table(rows, paths)
+        sweep_chart(rows, picture)
 
 
 def _print_table(rows: list[dict], paths: list[str]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"megapipe report: {len(rows)} plans")
@@ -50,6 +63,6 @@ def _print_table(rows: list[dict], paths: list[str]) -> None:
         table.add_row(row["model"], row["cluster"], str(row["seq_length"]), shape, row["schedule"],
                       str(row["micro_batch_size"]), f"{row['tokens_per_s_per_gpu']:,.0f}", f"{row['mfu']:.1%}",
                       f"${row['cost_per_million_tokens']:.3f}", gain)
-    console = Console()
-    console.print(table)
-    console.print("files: " + ", ".join(paths))
+    out = console()
+    out.print(table)
+    out.print("files: " + ", ".join(paths))

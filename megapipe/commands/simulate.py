@@ -16,21 +16,21 @@ output directory unless ``output.pictures=false``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from megapipe.commands.common import console, pipeline_p2p, print_json, setup_profile, setup_stage_specs, stage_times
 from megapipe.config import Setup, to_setup
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError
+from megapipe.partition import solve
 from megapipe.schedules import SCHEDULE_NAMES, Schedule, build, chunks_per_rank, spec
 from megapipe.simulate import P2PCost, SimResult, StageTimes, simulate
 from megapipe.simulate.bubble import WRITEUP_PERCENT, closed_form_bubble
+from megapipe.units import GIB
 
-__all__ = ["run", "result_dict", "times_from_triples"]
-
-GIB = 2**30
+__all__ = ["prepare", "run", "result_dict", "times_from_triples"]
 
 
 def times_from_triples(triples, *, schedule: Schedule) -> StageTimes:
@@ -60,11 +60,8 @@ def times_from_triples(triples, *, schedule: Schedule) -> StageTimes:
 
 def _model_times(setup: Setup, schedule: Schedule, chunks: int, notes: list[str]) -> tuple[StageTimes, P2PCost]:
     """Stage times of the optimal partition (memory-checked when it fits) and the cluster's p2p cost."""
-    from megapipe.commands.partition import pipeline_p2p, setup_profile, setup_stage_specs, stage_times
-    from megapipe.partition import solve
-
     profile = setup_profile(setup)
-    specs = setup_stage_specs(setup, profile, pipeline_model_parallel_size=schedule.pipeline_model_parallel_size)
+    specs = setup_stage_specs(setup, pipeline_model_parallel_size=schedule.pipeline_model_parallel_size)
     kwargs = dict(num_microbatches=schedule.num_microbatches, schedule=schedule.name,
                   virtual_pipeline_model_parallel_size=chunks,
                   microbatch_group_size_per_vp_stage=schedule.microbatch_group_size_per_vp_stage)
@@ -85,21 +82,20 @@ def _chunks(name: str, setup: Setup) -> int:
     return chunks_per_rank(name, setup.parallel.virtual_pipeline_model_parallel_size)
 
 
-def _pipeline_size(setup: Setup, cfg: DictConfig) -> int:
+def _pipeline_size(setup: Setup) -> int:
     """With ``stage_times`` and no pipeline size given, one triple per rank sets it."""
-    if cfg.get("stage_times") is not None and "pipeline_model_parallel_size" not in setup.fixed:
-        return max(1, len(cfg.stage_times))
+    if setup.stage_times is not None and "pipeline_model_parallel_size" not in setup.fixed:
+        return max(1, len(setup.stage_times))
     return setup.parallel.pipeline_model_parallel_size
 
 
-def _simulate_one(name: str, setup: Setup, cfg: DictConfig, notes: list[str]) -> SimResult:
+def _simulate_one(name: str, setup: Setup, notes: list[str]) -> SimResult:
     chunks = _chunks(name, setup)
-    schedule = build(name, pipeline_model_parallel_size=_pipeline_size(setup, cfg),
+    schedule = build(name, pipeline_model_parallel_size=_pipeline_size(setup),
                      num_microbatches=setup.num_microbatches, virtual_pipeline_model_parallel_size=chunks,
                      microbatch_group_size_per_vp_stage=setup.parallel.microbatch_group_size_per_vp_stage)
-    if cfg.get("stage_times") is not None:
-        triples = OmegaConf.to_container(cfg.stage_times, resolve=True)
-        return simulate(schedule, times_from_triples(triples, schedule=schedule))
+    if setup.stage_times is not None:
+        return simulate(schedule, times_from_triples(setup.stage_times, schedule=schedule))
     times, p2p = _model_times(setup, schedule, chunks, notes)
     return simulate(schedule, times, p2p=p2p)
 
@@ -142,10 +138,9 @@ def _write_pictures(result: SimResult, directory: str) -> list[str]:
 
 
 def _print_table(setup: Setup, rows: dict, notes: list[str]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(soft_wrap=True, width=max(Console().width, 120))
+    out = console(soft_wrap=True, width=120)
     par = setup.parallel
     table = Table(title=f"P={par.pipeline_model_parallel_size}, {setup.num_microbatches} microbatches")
     for column in ("schedule", "v", "step ms", "bubble", "steady", "closed form", "write-up", "peak in flight",
@@ -163,33 +158,34 @@ def _print_table(setup: Setup, rows: dict, notes: list[str]) -> None:
             str(max(s["peak_in_flight"] for s in row["stages"])),
             f"{max(s['peak_activation_bytes'] for s in row['stages']) / GIB:.2f}",
         )
-    console.print(table)
-    console.print("closed form: equal stages with F = B = W; steady: each rank's own first-to-last-op span")
+    out.print(table)
+    out.print("closed form: equal stages with F = B = W; steady: each rank's own first-to-last-op span")
     for note in notes:
-        console.print(f"note: {note}")
+        out.print(f"note: {note}")
 
 
-def run(cfg: DictConfig) -> None:
-    from megapipe.cli import output_dir
+def prepare(cfg: DictConfig) -> Setup:
+    return to_setup(cfg)
 
-    setup = to_setup(cfg)
+
+def run(setup: Setup, *, directory: str) -> None:
     names = SCHEDULE_NAMES if setup.schedule == "all" else (setup.schedule,)
     rows, notes = {}, []
     for name in names:
         try:
-            result = _simulate_one(name, setup, cfg, notes)
+            result = _simulate_one(name, setup, notes)
         except (InfeasibleError, MegapipeError) as exc:
             if len(names) == 1 or isinstance(exc, ConfigError):
                 raise
             rows[name] = {"schedule": name, "error": str(exc)}
             continue
         rows[name] = result_dict(result)
-        if cfg.output.get("pictures", True):
-            rows[name]["files"] = _write_pictures(result, output_dir(cfg))
-    if getattr(cfg.output.format, "value", cfg.output.format) == "json":
+        if setup.output.pictures:
+            rows[name]["files"] = _write_pictures(result, directory)
+    if setup.output.json:
         document = rows if len(names) > 1 else rows[names[0]]
         if notes:
             document = {**document, "notes": notes}
-        print(json.dumps(document))
+        print_json(document)
     else:
         _print_table(setup, rows, notes)

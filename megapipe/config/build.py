@@ -1,23 +1,35 @@
 """The one function from a composed Hydra config to domain records.
 
-``to_setup(cfg)`` validates across groups and returns a frozen :class:`Setup`.
-Parallel and train fields left null are search dimensions for ``megapipe plan``;
-every other command fills them with the write-ups' 70B setting (TP=4, PP=8,
-VP=1, CP=1, sequence parallel when TP>1, micro-batch 1, no recompute, 1F1B), with
-TP and PP capped to the largest divisors of the node and cluster sizes.
+``to_setup(cfg)`` validates across groups and returns a frozen :class:`Setup`: the model,
+cluster, parallel and train records, the typed search, replan and output options, and the
+search dimensions the user fixed. Parallel and train fields left null are search
+dimensions for ``megapipe plan`` (``to_setup(cfg, search=True)`` leaves them free and
+validates only what was given); every other command fills them with the write-ups' 70B
+setting (TP=4, PP=8, VP=1, CP=1, sequence parallel when TP>1, micro-batch 1, no recompute,
+1F1B), with TP and PP capped to the largest divisors of the node and cluster sizes, or with
+``fill`` (e.g. the sizes a monitored run used).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from importlib import resources
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from megapipe.config.hf import read_hf_config
+from megapipe.config.options import (
+    OutputOptions,
+    ReplanOptions,
+    output_options,
+    replan_options,
+    search_options,
+)
 from megapipe.config.schema import register_configs
 from megapipe.errors import ConfigError
+from megapipe.plan.plans import SearchOptions
 from megapipe.records import (
     SEARCH_DIMENSIONS,
     Activation,
@@ -31,9 +43,9 @@ from megapipe.records import (
     Recompute,
     TrainSpec,
 )
-from megapipe.schedules import ScheduleName
+from megapipe.schedules import SCHEDULE_NAMES, ScheduleName, spec
 
-__all__ = ["Setup", "conf_dir", "compose", "to_setup", "DEFAULT_FILL", "SEARCHABLE"]
+__all__ = ["Setup", "conf_dir", "compose", "to_setup", "DEFAULT_FILL", "recorded_inputs"]
 
 DEFAULT_FILL = {
     "tensor_model_parallel_size": 4,
@@ -46,7 +58,17 @@ DEFAULT_FILL = {
 }
 """What a null search dimension means outside ``megapipe plan``."""
 
-SEARCHABLE = SEARCH_DIMENSIONS
+_SEARCH_PLACEHOLDER = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "sequence_parallel": False,
+    "micro_batch_size": 1,
+    "recompute_granularity": "none",
+    "schedule": ScheduleName.one_f_one_b,
+}
+"""What stands in for a searched dimension while the given ones are validated (never planned with)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,11 +80,20 @@ class Setup:
     parallel: ParallelSpec
     train: TrainSpec
     schedule: str
+    """A schedule name, or ``all`` (``megapipe simulate``)."""
     num_microbatches: int
-    fixed: frozenset[str]
-    """Search dimensions the user set (the rest were filled from DEFAULT_FILL)."""
-    profile_path: str | None
-    cfg: DictConfig
+    fixed: Mapping[str, object]
+    """Search dimensions the user set, with their values (the rest were filled or are searched)."""
+    search: SearchOptions = field(default_factory=SearchOptions)
+    replan: ReplanOptions = field(default_factory=ReplanOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
+    profile_path: str | None = None
+    input: str | None = None
+    """The positional path(s) of commands that take one (report DIR, replan RUN_DIR, calibrate PROFILE...)."""
+    stage_times: tuple | None = None
+    """``megapipe simulate``'s per-stage [F, B, W] triples as given (checked by the command)."""
+    extra: Mapping[str, object] = field(default_factory=dict)
+    """Free-form command settings (``extra.*``), checked by the command that reads them."""
 
 
 def conf_dir() -> str:
@@ -77,8 +108,9 @@ def conf_dir() -> str:
         return checkout
 
 
-def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "config") -> DictConfig:
-    """Compose the config as the CLI would (for tests and library use)."""
+def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "config",
+            return_hydra_config: bool = False) -> DictConfig:
+    """Compose the config as the CLI does; ``return_hydra_config`` keeps the ``hydra`` node (run dir, job name)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -86,7 +118,8 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=False)
+        return hydra_compose(config_name=config_name, overrides=list(overrides),
+                             return_hydra_config=return_hydra_config)
 
 
 def _model_spec(node: DictConfig) -> ModelSpec:
@@ -168,12 +201,21 @@ def _largest_divisor(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _fill(cfg: DictConfig, cluster: ClusterSpec) -> tuple[dict, frozenset[str]]:
-    values = {key: cfg.parallel.get(key) for key in SEARCHABLE if key in cfg.parallel}
+def _given(cfg: DictConfig) -> dict[str, object]:
+    """The search dimensions the config sets (not null), by name."""
+    values = {key: cfg.parallel.get(key) for key in SEARCH_DIMENSIONS if key in cfg.parallel}
     values["micro_batch_size"] = cfg.train.micro_batch_size
     values["recompute_granularity"] = cfg.train.recompute_granularity
-    values["schedule"] = cfg.schedule.name
-    fixed = frozenset(key for key, value in values.items() if value is not None)
+    name = cfg.schedule.name
+    if name is not None and name != "all" and name not in SCHEDULE_NAMES:
+        raise ConfigError(f"schedule={name!r} is unknown; use one of {', '.join(SCHEDULE_NAMES)} or all")
+    values["schedule"] = None if name is None else ("all" if name == "all" else spec(name).name)
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _fill(given: Mapping[str, object], cluster: ClusterSpec, fill: Mapping[str, object] | None) -> dict:
+    """Every search dimension: the given value, else ``fill``'s, else the write-ups' default."""
+    values = {**(fill or {}), **given}
     # The write-ups' TP=4, PP=8, capped to what the cluster can hold (TP inside a node).
     if values.get("tensor_model_parallel_size") is None:
         values["tensor_model_parallel_size"] = _largest_divisor(
@@ -186,14 +228,25 @@ def _fill(cfg: DictConfig, cluster: ClusterSpec) -> tuple[dict, frozenset[str]]:
             values[key] = value
     if values.get("sequence_parallel") is None:
         values["sequence_parallel"] = values["tensor_model_parallel_size"] > 1
-    return values, fixed
+    return values
 
 
-def to_setup(cfg: DictConfig) -> Setup:
-    """Validate the composed config and turn it into records (nulls filled from DEFAULT_FILL)."""
+def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object] | None = None) -> Setup:
+    """Validate the composed config and turn it into records.
+
+    ``search=True`` (``megapipe plan``): searched dimensions stay free; stand-ins let the given
+    ones be validated, and ``Setup.fixed`` holds what the search must keep. Otherwise null
+    dimensions are filled from ``fill``, then from :data:`DEFAULT_FILL`.
+    """
     model = _model_spec(cfg.model)
     cluster = _cluster_spec(cfg.cluster)
-    values, fixed = _fill(cfg, cluster)
+    given = _given(cfg)
+    if search:
+        if given.get("schedule") == "all":
+            del given["schedule"]
+        values = {**_SEARCH_PLACEHOLDER, **given}
+    else:
+        values = _fill(given, cluster, fill)
     tp, pp, cp = (int(values[k]) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
     vp = int(values["virtual_pipeline_model_parallel_size"])
     for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
@@ -218,18 +271,50 @@ def to_setup(cfg: DictConfig) -> Setup:
         recompute_granularity=Recompute(_enum_value(values["recompute_granularity"])),
         precision=str(cfg.train.precision),
     )
+    if "recompute_granularity" in given:
+        given["recompute_granularity"] = train.recompute_granularity
+    stage_times = cfg.get("stage_times")
+    if isinstance(stage_times, ListConfig):
+        stage_times = OmegaConf.to_container(stage_times, resolve=True)
     return Setup(
         model=model, cluster=cluster, parallel=parallel, train=train, schedule=str(values["schedule"]),
-        num_microbatches=_num_microbatches(cfg, train, parallel), fixed=fixed,
-        profile_path=cfg.get("profile"), cfg=cfg,
+        # A search derives each candidate's microbatches from its own DP and micro-batch size.
+        num_microbatches=1 if search else _num_microbatches(cfg, train, parallel, (fill or {}).get("num_microbatches")),
+        fixed=given, search=search_options(cfg), replan=replan_options(cfg), output=output_options(cfg),
+        profile_path=cfg.get("profile"), input=cfg.get("input"),
+        stage_times=None if stage_times is None else tuple(stage_times),
+        extra=_extra(cfg.get("extra")),
     )
 
 
-def _num_microbatches(cfg: DictConfig, train: TrainSpec, parallel: ParallelSpec) -> int:
-    if cfg.train.num_microbatches is not None:
-        if cfg.train.num_microbatches < 1:
-            raise ConfigError(f"train.num_microbatches={cfg.train.num_microbatches} must be >= 1")
-        return int(cfg.train.num_microbatches)
+def _extra(raw) -> dict:
+    if raw is None:
+        return {}
+    options = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else raw
+    if not isinstance(options, dict):
+        raise ConfigError(f"extra={raw!r} must be a mapping such as extra='{{iters: 10}}'")
+    return options
+
+
+def recorded_inputs(cfg: DictConfig) -> dict:
+    """The resolved config as plain data, without hydra's and output's groups: what a plan records it was made from."""
+    inputs = {}
+    for key in cfg:
+        if key in ("hydra", "output"):  # how the run was launched and printed, not what was planned
+            continue
+        value = cfg[key]
+        if isinstance(value, DictConfig | ListConfig):
+            value = OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+        inputs[key] = getattr(value, "value", value)
+    return inputs
+
+
+def _num_microbatches(cfg: DictConfig, train: TrainSpec, parallel: ParallelSpec, filled: int | None) -> int:
+    given = cfg.train.num_microbatches if cfg.train.num_microbatches is not None else filled
+    if given is not None:
+        if given < 1:
+            raise ConfigError(f"train.num_microbatches={given} must be >= 1")
+        return int(given)
     per_step = train.micro_batch_size * parallel.data_parallel_size
     if train.global_batch_size % per_step:
         raise ConfigError(

@@ -39,7 +39,7 @@ from megapipe.cost.traffic import (
     embedding_traffic_bytes,
     output_traffic_bytes,
 )
-from megapipe.profile.format import Profile
+from megapipe.records import Profile
 from megapipe.records import (
     ClusterSpec,
     GpuSpec,

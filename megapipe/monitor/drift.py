@@ -12,7 +12,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megapipe.errors import ConfigError
 
 __all__ = ["PlanExpectation", "Drift", "expectation", "drifts", "advice"]
 
@@ -47,11 +46,7 @@ class Drift:
 
 
 def expectation(document: dict) -> PlanExpectation:
-    """Read a plan document (the parsed plan.yaml)."""
-    if not isinstance(document, dict) or document.get("format") != "megapipe-plan/1" or "best" not in document:
-        got = document.get("format") if isinstance(document, dict) else type(document).__name__
-        raise ConfigError(f"plan format={got!r} is not a megapipe-plan/1 document; pass the plan.yaml that "
-                          "`megapipe plan` wrote")
+    """Read a plan document (the parsed plan.yaml, checked by :func:`megapipe.io.plan_document`)."""
     best = document["best"]
     stages = best.get("stages") or []
     return PlanExpectation(

@@ -37,7 +37,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megapipe.errors import ConfigError
-from megapipe.monitor import drift as drift_mod
+from megapipe.io import plan_document, read_plan
+from megapipe.monitor.drift import PlanExpectation, advice, drifts, expectation
 from megapipe.monitor.aggregate import FAULTED, ROW, VALID, columns_of, finite, flatten, pipeline_fields, rank_fields
 from megapipe.monitor.jsonl import JsonlWriter
 from megapipe.monitor.memory import sample_memory
@@ -45,37 +46,25 @@ from megapipe.monitor.run_layout import layout_string
 from megapipe.monitor.throughput import plan_rates
 from megapipe.monitor.topology import compare_link, expected_link, measure_neighbours
 
-__all__ = ["TrainingMonitor", "attach_monitor", "load_plan"]
+__all__ = ["TrainingMonitor", "attach_monitor"]
 
 logger = logging.getLogger("megapipe.monitor")
 
 Sink = Callable[[dict, int], None]
 
 
-def load_plan(plan: str | dict | None) -> drift_mod.PlanExpectation | None:
-    """A plan.yaml path (or its parsed dict) -> its expectation; None passes through."""
-    document = _plan_document(plan)
-    return drift_mod.expectation(document) if document is not None else None
-
-
 def _plan_document(plan: str | dict | None) -> dict | None:
+    """A plan.yaml path (or its parsed dict), checked to be a megapipe-plan/1 document; None passes through."""
     if plan is None:
         return None
-    if isinstance(plan, str):
-        import yaml
-
-        if not os.path.isfile(plan):
-            raise ConfigError(f"plan={plan!r} does not exist; pass the plan.yaml that `megapipe plan` wrote")
-        with open(plan, encoding="utf-8") as handle:
-            plan = yaml.safe_load(handle)
-    return plan
+    return read_plan(plan) if isinstance(plan, str) else plan_document(plan)
 
 
 class TrainingMonitor:
     """Create with :func:`attach_monitor`; call ``train_start``, ``step_end`` per step, ``train_end``."""
 
     def __init__(self, *, hook: Any, group: Any, rank: int, pipeline_rank: int, num_gpus: int,
-                 log_dir: str | None, log_every: int, plan: drift_mod.PlanExpectation | None,
+                 log_dir: str | None, log_every: int, plan: PlanExpectation | None,
                  drift_threshold: float, warmup_steps: int, topology_check: bool, topology_threshold: float,
                  topology_budget_s: float, expected_link: dict | None, tokens_per_step: float | None,
                  flops_per_token: float | None, peak_tflops_per_gpu: float | None, layout: str | None,
@@ -292,13 +281,13 @@ class TrainingMonitor:
         if self.plan is None:
             return {}
         on_gpu = all(finite(c) for c in columns["capacity_bytes"])
-        found = drift_mod.drifts(self.plan, step_time_s=out["step_time_ms"] / 1e3,
+        found = drifts(self.plan, step_time_s=out["step_time_ms"] / 1e3,
                                  bubble_fraction=out.get("bubble_fraction"),
                                  stage_peak_bytes=columns["peak_allocated_bytes"] if on_gpu else None)
         for d in found:
             if d.drift > self.drift_threshold and d.figure not in self._warned:
                 self._warned.add(d.figure)
-                self._say(logging.WARNING, drift_mod.advice(d, threshold=self.drift_threshold, run_dir=self._run_dir))
+                self._say(logging.WARNING, advice(d, threshold=self.drift_threshold, run_dir=self._run_dir))
         return {d.figure: {"measured": d.measured, "predicted": d.predicted, "drift": d.drift} for d in found}
 
 
@@ -333,7 +322,7 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
         if not (finite(value) and value > 0):
             raise ConfigError(f"{name}={value!r} must be a number > 0")
     document = _plan_document(plan)
-    expectation = drift_mod.expectation(document) if document is not None else None
+    expected = expectation(document) if document is not None else None
     rates = plan_rates(document) if document is not None else None
     if rates is not None:  # explicit arguments win over the plan's figures
         tokens_per_step = tokens_per_step or rates.tokens_per_step
@@ -349,7 +338,7 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
             layout = layout_string(getattr(config, "pipeline_model_parallel_layout", None))
         if schedule_hook:
             hook = attach(models, pipeline_group=group if group is not None else None, gather_every=log_every,
-                          plan=expectation.bubble_fraction if expectation else None,
+                          plan=expected.bubble_fraction if expected else None,
                           p2p_latency_ms=p2p_latency_ms or 0.0)
     elif pipeline_group != "auto":
         group = pipeline_group
@@ -361,7 +350,7 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
         pipeline_rank = dist.get_rank(group) if group is not None else 0
     return TrainingMonitor(
         hook=hook, group=group, rank=rank, pipeline_rank=pipeline_rank, num_gpus=num_gpus, log_dir=log_dir,
-        log_every=log_every, plan=expectation, drift_threshold=float(drift_threshold), warmup_steps=warmup_steps,
+        log_every=log_every, plan=expected, drift_threshold=float(drift_threshold), warmup_steps=warmup_steps,
         topology_check=topology_check, topology_threshold=float(topology_threshold),
         topology_budget_s=float(topology_budget_s), expected_link=expected_link, tokens_per_step=tokens_per_step,
         flops_per_token=flops_per_token, peak_tflops_per_gpu=peak_tflops_per_gpu, layout=layout,

@@ -3,7 +3,7 @@
 Model FLOPs per token come from :func:`megapipe.cost.model_flops_per_token`
 (``6 N + 6 L s q``; Chowdhery et al. 2022, PaLM App. B, causal attention
 counted as the lower triangle; recompute not counted), exactly what
-``megapipe.plan.evaluate`` uses, so measured and planned MFU compare directly.
+``megapipe.plan.evaluator`` uses, so measured and planned MFU compare directly.
 MFU = achieved model FLOP/s per GPU / the GPU's dense bf16 peak.
 """
 

@@ -9,7 +9,7 @@ part.layout, part.bottleneck_ms
 
 from megapipe.partition.baselines import equal_bounds, parameters_bounds
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts
-from megapipe.partition.solver import METHODS, evaluate, solve
+from megapipe.partition.solver import METHODS, given_split, solve
 from megapipe.records import Partition, StageSpec
 
 __all__ = [
@@ -18,7 +18,7 @@ __all__ = [
     "StageSpec",
     "chunk_memory_caps",
     "equal_bounds",
-    "evaluate",
+    "given_split",
     "in_flight_counts",
     "parameters_bounds",
     "solve",

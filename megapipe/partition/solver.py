@@ -20,14 +20,14 @@ import numpy as np
 
 from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.partition.baselines import equal_bounds, parameters_bounds
-from megapipe.partition.evaluate import build_partition, over_memory_message
+from megapipe.partition.build import build_partition, over_memory_message
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memory_reach, stage_ranks
 from megapipe.partition.headroom import least_utilisation_split
 from megapipe.partition.minmax import SegmentCost, min_max_split, reachable_sets, segment_cost
 from megapipe.records import LayerCost, Partition, StageSpec
 from megapipe.schedules import ScheduleName, spec
 
-__all__ = ["METHODS", "solve", "evaluate"]
+__all__ = ["METHODS", "solve", "given_split"]
 
 METHODS = ("optimal", "equal", "parameters")
 _HUGE = 1e300
@@ -83,7 +83,7 @@ def solve(
     return partition
 
 
-def evaluate(
+def given_split(
     profile,
     stages: Sequence[StageSpec],
     *,

@@ -1,29 +1,31 @@
-"""Closed-form lower bounds of one candidate, over every partition: the half of the Evaluator the search prunes with.
+"""Closed-form lower bounds of one candidate, over every partition: what the search prunes with.
 
-:class:`CandidateBounds` is the base class of :class:`megapipe.plan.evaluate.Evaluator`: it
-bounds the step time (:meth:`~CandidateBounds.bound`), the fullest rank's memory
-(:meth:`~CandidateBounds.memory_bound`) and decides memory feasibility in closed form
-(:meth:`~CandidateBounds.split_can_fit`) from the layer costs alone, with the formulas of
-:mod:`megapipe.plan.bounds`. Its caches are keyed by what each bound depends on: the layer key
-(TP, SP, CP, micro-batch, recompute, sequence) and DP, plus the schedule's bound class where it
-enters. The host provides ``model``, ``cluster``, ``options``, ``fixed_profile``, the exact
-profile cache ``_profiles``, ``_unit_costs`` and ``stage_specs()``.
+:class:`CandidateBounds` bounds the step time (:meth:`~CandidateBounds.bound`), the fullest
+rank's memory (:meth:`~CandidateBounds.memory_bound`) and decides memory feasibility in closed
+form (:meth:`~CandidateBounds.split_can_fit`) from the layer costs alone
+(:class:`~megapipe.plan.layer_costs.LayerCosts`, shared with the exact evaluation), with the
+formulas of :mod:`megapipe.plan.bounds`. Its caches are keyed by what each bound depends on:
+the layer key (TP, SP, CP, micro-batch, recompute, sequence) and DP, plus the schedule's bound
+class where it enters. Per-stage recompute candidates are bounded by the options' extremes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, stage_ranks
-from megapipe.plan.adaptive import per_stage_bound, per_stage_can_fit, per_stage_memory_bound
-from megapipe.plan.bounds import least_in_flight, layer_shape, split_can_fit, water_level
-from megapipe.plan.records import Candidate
+from megapipe.plan.bounds import layer_shape, least_in_flight, split_can_fit, water_level
+from megapipe.plan.layer_costs import LayerCosts
+from megapipe.plan.per_stage_recompute import RECOMPUTE_OPTIONS, variant
+from megapipe.plan.plans import Candidate, SearchOptions
 from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
-from megapipe.plan.units import repeated_sum
-from megapipe.records import GpuSpec, LayerCost, LayerKind
+from megapipe.plan.unit_costs import repeated_sum
+from megapipe.records import GpuSpec, LayerKind
 from megapipe.schedules import PathShare, spec
 
 __all__ = ["Bound", "CandidateBounds"]
+
 
 @dataclass(frozen=True, slots=True)
 class _Totals:
@@ -51,45 +53,24 @@ class Bound:
 
 
 class CandidateBounds:
-    """Lower bounds valid for every partition of a candidate, cached per scenario (base of the Evaluator)."""
+    """Lower bounds valid for every partition of a candidate, cached per scenario."""
 
-    def _init_bound_caches(self) -> None:
+    def __init__(self, *, costs: LayerCosts, options: SearchOptions):
+        self.costs = costs
+        self.cluster = costs.cluster
+        self.options = options
         self._totals: dict[tuple, _Totals] = {}
         self._shapes: dict[tuple, object] = {}
-        self._units: dict[tuple, tuple[LayerCost, ...]] = {}
         self._forward_shares: dict[tuple, float] = {}
         self._memory_bounds: dict[tuple, float] = {}
         self._dp_terms: dict[tuple, tuple[float, float]] = {}
         self._layouts: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
-    def bound_layers(self, cand: Candidate, gpu: GpuSpec | None = None) -> tuple[LayerCost, ...]:
-        """The profile's entries with the same values, for bounds: without the per-layer records.
-
-        The cost model costs one decoder (and one MTP) layer and repeats it
-        (:func:`megapipe.cost.layer_costs`), so the costs of a one-layer model, each unit repeated
-        num_layers times by reference, hold the same numbers at a fraction of the cost; every sum
-        over them is the same sum. tests/test_plan_bounds.py checks the two agree.
-        """
-        if self.fixed_profile is not None:
-            return self.fixed_profile.layers
-        gpu = gpu or self.cluster.gpu
-        key = cand.layer_key + (cand.parallel.data_parallel_size, gpu.name)
-        if key in self._profiles:
-            return self._profiles[key].layers
-        found = self._units.get(key)
-        if found is None:
-            found = self._unit_costs.layers(cand, gpu)
-            self._units[key] = found
-        return found
-
     def totals(self, cand: Candidate) -> _Totals:
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
         found = self._totals.get(key)
         if found is None:
-            if self.fixed_profile is not None:
-                units, counts = self.fixed_profile.layers, (1,) * len(self.fixed_profile.layers)
-            else:
-                units, counts = self._unit_costs.runs(cand, self.cluster.gpu)
+            units, counts = self.costs.runs(cand)
             decoders = [(unit.fwd_ms + unit.bwd_ms, count) for unit, count in zip(units, counts)
                         if unit.kind == LayerKind.decoder and count]
             found = _Totals(*(repeated_sum([getattr(unit, name) for unit in units], counts) for name in
@@ -119,7 +100,7 @@ class CandidateBounds:
         tests/test_plan_search.py checks bound <= exact over a whole search space.
         """
         if cand.per_stage_recompute:
-            return per_stage_bound(self, cand, min_time_scale=min_time_scale)
+            return self._per_stage_bound(cand, min_time_scale=min_time_scale)
         return self.bound_terms(cand, min_time_scale=min_time_scale, forward_share=self._forward_share(cand))
 
     def bound_terms(self, cand: Candidate, *, min_time_scale: float, forward_share: float,
@@ -163,8 +144,7 @@ class CandidateBounds:
     def _forward_share(self, cand: Candidate) -> float:
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
         if key not in self._forward_shares:
-            layers = (self.fixed_profile.layers if self.fixed_profile is not None
-                      else self._unit_costs.runs(cand, self.cluster.gpu)[0])
+            layers = self.costs.runs(cand)[0]
             self._forward_shares[key] = min((layer.fwd_ms / (layer.fwd_ms + layer.bwd_ms)
                                              for layer in layers if layer.fwd_ms + layer.bwd_ms > 0), default=0.0)
         return self._forward_shares[key]
@@ -191,13 +171,13 @@ class CandidateBounds:
 
     def memory_bound_of(self, cand: Candidate) -> float:
         """The memory term of :meth:`bound` (full recompute's for a per-stage recompute candidate)."""
-        return per_stage_memory_bound(self, cand) if cand.per_stage_recompute else self.memory_bound(cand)
+        return self._per_stage_memory_bound(cand) if cand.per_stage_recompute else self.memory_bound(cand)
 
     def _water_level(self, cand: Candidate) -> float:
         par = cand.parallel
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
         least = least_in_flight(cand.schedule, pp, m)
-        layers = self.bound_layers(cand)
+        layers = self.costs.bound_layers(cand)
         decoder = next((layer for layer in layers if layer.kind == LayerKind.decoder), None)
         if decoder is None:
             totals = self.totals(cand)
@@ -208,7 +188,7 @@ class CandidateBounds:
             if layer.kind != LayerKind.decoder:
                 pinned[rank] += layer.static_bytes + least[rank] * layer.act_bytes
         per_layer = [decoder.static_bytes + k * decoder.act_bytes for k in least]
-        return water_level(pinned, per_layer, self.model.num_layers)
+        return water_level(pinned, per_layer, self.costs.model.num_layers)
 
     def split_can_fit(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> bool:
         """False only when the solver would find no split within memory (closed form, no solve).
@@ -217,16 +197,16 @@ class CandidateBounds:
         loss); for any other profile it answers True and leaves the verdict to the solver.
         """
         if cand.per_stage_recompute:
-            return per_stage_can_fit(self, cand, gpus)
+            return self._per_stage_can_fit(cand, gpus)
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
         if key not in self._shapes:
-            self._shapes[key] = layer_shape(self.bound_layers(cand))
+            self._shapes[key] = layer_shape(self.costs.bound_layers(cand))
         shape = self._shapes[key]
         if shape is None or self.options.ignore_memory_limit:
             return True
         in_flight, ranks = self._layout_counts(cand)
-        specs = self.stage_specs(cand, gpus, layers_of=self.bound_layers)
-        caps = chunk_memory_caps(layers=self.bound_layers(cand), stages=specs, in_flight=in_flight, ranks=ranks)
+        specs = self.costs.stage_specs(cand, gpus, layers_of=self.costs.bound_layers)
+        caps = chunk_memory_caps(layers=self.costs.bound_layers(cand), stages=specs, in_flight=in_flight, ranks=ranks)
         return split_can_fit(shape=shape, caps=caps, in_flight=in_flight)
 
     def _layout_counts(self, cand: Candidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -241,3 +221,28 @@ class CandidateBounds:
             ranks = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
             found = self._layouts[key] = (in_flight, ranks)
         return found
+
+    # -- per-stage recompute: bounds valid for every per-rank choice ----------------------
+    def _per_stage_bound(self, cand: Candidate, *, min_time_scale: float) -> Bound:
+        """Recompute adds time and removes activation bytes, so the pipeline and optimizer terms of no
+        recompute (with the smallest forward share of any option) and the memory of full recompute bound
+        every mix; the exposed DP sync, which shrinks as the backward grows, is bounded by 0.
+        """
+        variants = [variant(cand, option) for option in RECOMPUTE_OPTIONS]
+        share = min(self.forward_share(item) for item in variants)
+        step = self.bound_terms(variants[0], min_time_scale=min_time_scale, forward_share=share, include_sync=False)
+        return dataclasses.replace(step, memory_bytes=self._per_stage_memory_bound(cand))
+
+    def _per_stage_memory_bound(self, cand: Candidate) -> float:
+        """Full recompute everywhere holds the fewest activation bytes, so its memory bound bounds every mix."""
+        return self.memory_bound(variant(cand, RECOMPUTE_OPTIONS[-1]))
+
+    def _per_stage_can_fit(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None) -> bool:
+        """False only if even full recompute on every rank cannot fit (when it holds the fewest bytes entry by entry)."""
+        lightest = variant(cand, RECOMPUTE_OPTIONS[-1])
+        others = [self.costs.bound_layers(variant(cand, option)) for option in RECOMPUTE_OPTIONS[:-1]]
+        least = self.costs.bound_layers(lightest)
+        if not all(low.static_bytes <= entry.static_bytes and low.act_bytes <= entry.act_bytes
+                   for layers in others for low, entry in zip(least, layers)):
+            return True
+        return self.split_can_fit(lightest, gpus)

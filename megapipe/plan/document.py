@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from megapipe.plan.records import Plan, SearchResult
+from megapipe.plan.plans import Plan, SearchResult
 from megapipe.records import ClusterSpec, LinkSpec, ModelSpec
 
 __all__ = ["FORMAT", "plan_document", "json_summary"]

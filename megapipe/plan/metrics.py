@@ -1,4 +1,4 @@
-"""From a simulated partition to a :class:`~megapipe.plan.records.Plan`: the figures the ranking reads.
+"""From a simulated partition to a :class:`~megapipe.plan.plans.Plan`: the figures the ranking reads.
 
 Step time = pipeline + exposed DP sync + optimizer step. MFU (Chowdhery et al. 2022, PaLM
 App. B; Narayanan et al. 2021 eq. 3): model FLOPs per token times tokens/s over the sum of the
@@ -16,7 +16,7 @@ import math
 
 from megapipe.emit.emitted import megatron_schedule_warnings
 from megapipe.plan.money import cost_per_million_tokens, training_cost
-from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
+from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.warnings import plan_warnings
 from megapipe.records import ClusterSpec, LayerKind, Partition, Recompute, StageSpec
 from megapipe.simulate import SimResult

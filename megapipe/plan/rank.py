@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from megapipe.errors import ConfigError
-from megapipe.plan.records import Plan
+from megapipe.plan.plans import Plan
 
 __all__ = ["OBJECTIVES", "sort_key", "rank_plans", "pick_by_bubble_target", "score"]
 

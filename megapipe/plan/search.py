@@ -36,12 +36,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from megapipe.errors import ConfigError, InfeasibleError, ScheduleError
-from megapipe.plan.evaluate import Evaluator, Prepared
-from megapipe.plan.hetero import placements
+from megapipe.plan.evaluator import Evaluator, Prepared
+from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
 from megapipe.plan.rank import rank_plans, score
-from megapipe.plan.records import Candidate, Plan, SearchOptions, SearchResult, SearchStats
+from megapipe.plan.plans import Candidate, Plan, SearchOptions, SearchResult, SearchStats
 from megapipe.plan.space import Point, Space, enumerate_candidates
-from megapipe.profile.format import Profile
+from megapipe.records import Profile
 from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 from megapipe.schedules import ScheduleName, spec
 
@@ -82,7 +82,7 @@ def search(
                         seconds=time.perf_counter() - started)
     gain = best.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
     return SearchResult(plans=ranked, baseline=baseline, reference=reference, stats=stats,
-                        profile=evaluator.profile(_candidate_of(best)),
+                        profile=evaluator.costs.profile(_candidate_of(best)),
                         hetero_gain=gain if cluster.is_heterogeneous else None)
 
 
@@ -113,10 +113,10 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tupl
         step = steps.get(key, _UNSET)
         if step is _UNSET:
             cand = space.candidate(point)
-            if check_memory and evaluator.memory_bound_of(cand) > memory_cap:
+            if check_memory and evaluator.bounds.memory_bound_of(cand) > memory_cap:
                 step = None
             else:
-                step = evaluator.bound(cand, min_time_scale=min_scale).step_ms
+                step = evaluator.bounds.bound(cand, min_time_scale=min_scale).step_ms
             steps[key] = step
         if step is None:
             pruned["memory"] += 1
@@ -132,10 +132,7 @@ _UNSET = object()
 def _min_time_scale(evaluator: Evaluator) -> float:
     """The fastest GPU type relative to the profiled one, from datasheet matmul throughput."""
     ref = evaluator.cluster.gpu
-    return min(
-        (ref.bf16_tflops * ref.matmul_efficiency) / (g.gpu.bf16_tflops * g.gpu.matmul_efficiency)
-        for g in evaluator.cluster.node_groups
-    )
+    return min(datasheet_time_scale(group.gpu, ref) for group in evaluator.cluster.node_groups)
 
 
 def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, pruned: Counter, progress
@@ -188,7 +185,7 @@ _FLOOR_MARGIN = 1e-9
 def _prepare_placements(evaluator: Evaluator, cand: Candidate, pruned: Counter, work: Counter) -> list[Prepared]:
     """Every placement that fits, partitioned; empty (and counted) when none does.
 
-    Memory is decided in closed form first (:meth:`Evaluator.split_can_fit`), so the solver
+    Memory is decided in closed form first (:meth:`CandidateBounds.split_can_fit`), so the solver
     runs only where a split exists.
     """
     choices = placements(evaluator.cluster, cand.parallel)
@@ -198,7 +195,7 @@ def _prepare_placements(evaluator: Evaluator, cand: Candidate, pruned: Counter, 
     out, uniform = [], False
     for gpus in choices:
         try:
-            if not evaluator.split_can_fit(cand, gpus):
+            if not evaluator.bounds.split_can_fit(cand, gpus):
                 continue
             work["partitioned"] += 1
             item = evaluator.prepare(cand, gpus=gpus)
@@ -245,10 +242,7 @@ def _candidate_of(plan: Plan) -> Candidate:
 
 
 def _gpus_of(evaluator: Evaluator, plan: Plan):
-    if not plan.stage_gpus:
-        return None
-    by_name = {group.gpu.name: group.gpu for group in evaluator.cluster.node_groups}
-    return tuple(by_name[name] for name in plan.stage_gpus)
+    return gpus_by_name(evaluator.cluster, plan.stage_gpus) if plan.stage_gpus else None
 
 
 def reference_candidate(*, cluster: ClusterSpec, train: TrainSpec, use_distributed_optimizer: bool = True

@@ -1,7 +1,7 @@
 """The search space: every TP x CP x PP x DP x VP x micro-batch x recompute x SP x schedule
 that uses all GPUs, with closed-form pruning before any layer is costed. With
 ``search.per_stage_recompute`` each layout with one chunk per rank also gets a candidate whose
-ranks pick their recompute settings with the split (:mod:`megapipe.plan.adaptive`).
+ranks pick their recompute settings with the split (:mod:`megapipe.plan.per_stage_recompute`).
 
 Pruning rules, each counted under its reason:
 
@@ -17,7 +17,7 @@ Pruning rules, each counted under its reason:
   (ZB-V, Qi et al. 2024; DualPipe) to reach their steady state.
 
 Candidates are enumerated as :class:`Point` tuples; the search builds a
-:class:`~megapipe.plan.records.Candidate` only for the few it partitions, since most are
+:class:`~megapipe.plan.plans.Candidate` only for the few it partitions, since most are
 pruned by closed forms first. Memory pruning needs layer costs and lives in
 :mod:`megapipe.plan.search`.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megapipe.errors import ConfigError
-from megapipe.plan.records import Candidate, SearchOptions
+from megapipe.plan.plans import Candidate, SearchOptions
 from megapipe.records import SEARCH_DIMENSIONS, ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 from megapipe.schedules import MEGATRON_SCHEDULES, SCHEDULE_NAMES, ScheduleName, spec
 

@@ -13,7 +13,7 @@ import dataclasses
 import warnings
 
 from megapipe.errors import ProfileError
-from megapipe.profile.format import Profile
+from megapipe.records import Profile
 from megapipe.records import GpuSpec, ModelSpec, TrainSpec
 
 __all__ = ["ProfileDeviceWarning", "match_profile", "scale_profile"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from megapipe.cost.params import bytes_per_parameter
 from megapipe.errors import ConfigError
-from megapipe.profile.format import Profile
+from megapipe.records import Profile
 from megapipe.profile.gpt_units import build_gpt, gpt_units, megatron_session
 from megapipe.profile.timing import UnitResult, clock_name, measure_unit, spread
 from megapipe.records import LayerCost, LayerKind, ModelSpec, ParallelSpec, TrainSpec

@@ -15,7 +15,7 @@ import yaml
 
 from megapipe.errors import ConfigError
 from megapipe.plan.document import FORMAT
-from megapipe.profile.format import atomic_write_text
+from megapipe.io import atomic_write_text
 
 __all__ = ["COLUMNS", "find_plans", "gather", "write_tables"]
 

@@ -10,8 +10,13 @@ from __future__ import annotations
 from functools import lru_cache
 
 from megapipe.errors import ScheduleError
-from megapipe.schedules import dualpipe_v, gpipe, interleaved, one_f_one_b, zb_h, zb_v
 from megapipe.schedules.base import Kind, Schedule, check_sizes
+from megapipe.schedules.dualpipe_v import SPEC as DUALPIPE_V
+from megapipe.schedules.gpipe import SPEC as GPIPE
+from megapipe.schedules.interleaved import SPEC as INTERLEAVED
+from megapipe.schedules.one_f_one_b import SPEC as ONE_F_ONE_B
+from megapipe.schedules.zb_h import ZB_H1, ZB_H2
+from megapipe.schedules.zb_v import SPEC as ZB_V
 from megapipe.schedules.spec import Placement, ScheduleName, ScheduleSpec
 
 __all__ = [
@@ -27,7 +32,7 @@ __all__ = [
 
 SPECS: dict[ScheduleName, ScheduleSpec] = {
     item.name: item
-    for item in (gpipe.SPEC, one_f_one_b.SPEC, interleaved.SPEC, zb_h.ZB_H1, zb_h.ZB_H2, zb_v.SPEC, dualpipe_v.SPEC)
+    for item in (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB_H1, ZB_H2, ZB_V, DUALPIPE_V)
 }
 SCHEDULE_NAMES: tuple[ScheduleName, ...] = tuple(SPECS)
 MEGATRON_SCHEDULES: tuple[ScheduleName, ...] = tuple(name for name, item in SPECS.items() if item.megatron_runs)

@@ -25,7 +25,7 @@ iterations overlap (optimizer post-validation).
 
 from megapipe.simulate.engine import simulate
 from megapipe.simulate.inputs import p2p_cost, pipeline_link, stage_times
-from megapipe.simulate.records import OpTiming, P2PCost, RankStats, SimResult, StageTimes
+from megapipe.simulate.result import OpTiming, P2PCost, RankStats, SimResult, StageTimes
 
 __all__ = ["simulate", "StageTimes", "P2PCost", "RankStats", "OpTiming", "SimResult", "stage_times", "pipeline_link",
            "p2p_cost"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from megapipe.errors import ScheduleError
 from megapipe.schedules import SCHEDULE_NAMES, ScheduleName, build, chunks_per_rank, spec
 from megapipe.simulate.engine import simulate
-from megapipe.simulate.records import StageTimes
+from megapipe.simulate.result import StageTimes
 
 __all__ = [
     "WRITEUP_PERCENT",

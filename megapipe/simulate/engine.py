@@ -11,7 +11,7 @@ from __future__ import annotations
 from megapipe.errors import ScheduleError
 from megapipe.schedules.base import Schedule
 from megapipe.simulate.program import Program, lower
-from megapipe.simulate.records import P2PCost, RankStats, SimResult, StageTimes
+from megapipe.simulate.result import P2PCost, RankStats, SimResult, StageTimes
 
 __all__ = ["simulate"]
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from megapipe import cost
 from megapipe.records import ClusterSpec, LayerCost, LinkSpec, ModelSpec, ParallelSpec, StageSpec, TrainSpec
-from megapipe.simulate.records import P2PCost, StageTimes
+from megapipe.simulate.result import P2PCost, StageTimes
 
 __all__ = ["stage_times", "pipeline_link", "p2p_cost"]
 

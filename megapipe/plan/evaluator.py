@@ -1,12 +1,12 @@
 """One candidate, exactly: cost the layers -> solve the partition -> simulate the schedule
 -> add data-parallel sync and the optimizer step -> throughput, MFU, memory and money.
 
-The closed-form lower bounds the search skips candidates with (branch and bound) are the
-Evaluator's base class, :class:`megapipe.plan.candidate_bounds.CandidateBounds`. Caches are
-keyed by what each step depends on: layer costs by (TP, SP, CP, micro-batch, recompute,
-sequence, DP, GPU), schedules by (name, PP, VP, microbatches). :meth:`Evaluator.prepare`
-partitions and prices everything but the pipeline, with a floor on the step time;
-:meth:`Evaluator.finish` simulates; the search runs them apart.
+The :class:`Evaluator` holds one scenario's :class:`~megapipe.plan.layer_costs.LayerCosts` and
+the closed-form lower bounds the search skips candidates with
+(:class:`~megapipe.plan.candidate_bounds.CandidateBounds`, over the same costs). Schedules are
+cached by (name, PP, VP, microbatches). :meth:`Evaluator.prepare` partitions and prices
+everything but the pipeline, with a floor on the step time; :meth:`Evaluator.finish`
+simulates; the search runs them apart.
 
 MFU convention (Chowdhery et al. 2022, PaLM App. B; Narayanan et al. 2021 eq. 3): model
 FLOPs per token from :func:`megapipe.cost.model_flops_per_token` (6 x parameters plus the
@@ -18,19 +18,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapipe import cost, partition, schedules
-from megapipe.plan.adaptive import per_stage_partition
+from megapipe import partition, schedules
 from megapipe.plan.bounds import pipeline_floor_ms
-from megapipe.plan.candidate_bounds import Bound, CandidateBounds
-from megapipe.plan.metrics import GIB, plan_record
-from megapipe.plan.records import Candidate, Plan, SearchOptions, StageUsage
+from megapipe.plan.candidate_bounds import CandidateBounds
+from megapipe.plan.layer_costs import LayerCosts
+from megapipe.plan.metrics import plan_record
+from megapipe.plan.per_stage_recompute import per_stage_partition
+from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
-from megapipe.plan.units import UnitCosts
-from megapipe.profile.format import Profile
-from megapipe.records import ClusterSpec, GpuSpec, ModelSpec, Partition, StageSpec
-from megapipe.simulate import StageTimes, p2p_cost, pipeline_link, simulate, stage_times
+from megapipe.records import ClusterSpec, GpuSpec, ModelSpec, Partition, Profile, StageSpec
+from megapipe.simulate import StageTimes, p2p_cost, simulate, stage_times
 
-__all__ = ["Bound", "Evaluator", "Prepared", "pipeline_link", "GIB"]
+__all__ = ["Evaluator", "Prepared"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,7 +59,7 @@ class Prepared:
     """Recompute setting per pipeline rank, for per-stage recompute candidates."""
 
 
-class Evaluator(CandidateBounds):
+class Evaluator:
     """Evaluates candidates of one (model, cluster) scenario; holds its caches, nothing global."""
 
     def __init__(self, *, model: ModelSpec, cluster: ClusterSpec, options: SearchOptions = SearchOptions(),
@@ -68,31 +67,9 @@ class Evaluator(CandidateBounds):
         self.model = model
         self.cluster = cluster
         self.options = options
-        self.fixed_profile = profile
-        self._profiles: dict[tuple, Profile] = {}
+        self.costs = LayerCosts(model=model, cluster=cluster, profile=profile)
+        self.bounds = CandidateBounds(costs=self.costs, options=options)
         self._schedules: dict[tuple, object] = {}
-        self._flops: dict[int, float] = {}
-        self._uniform_specs: dict[int, tuple[StageSpec, ...]] = {}
-        self._unit_costs = UnitCosts(model=model, cluster=cluster)
-        self._init_bound_caches()
-
-    # -- layer costs -----------------------------------------------------------------
-    def profile(self, cand: Candidate, gpu: GpuSpec | None = None) -> Profile:
-        if self.fixed_profile is not None:
-            return self.fixed_profile
-        gpu = gpu or self.cluster.gpu
-        key = cand.layer_key + (cand.parallel.data_parallel_size, gpu.name)
-        found = self._profiles.get(key)
-        if found is None:
-            found = cost.layer_costs(model=self.model, gpu=gpu, cluster=self.cluster, parallel=cand.parallel,
-                                     train=cand.train)
-            self._profiles[key] = found
-        return found
-
-    def model_flops_per_token(self, seq_length: int) -> float:
-        if seq_length not in self._flops:
-            self._flops[seq_length] = cost.model_flops_per_token(self.model, seq_length)
-        return self._flops[seq_length]
 
     # -- exact -----------------------------------------------------------------------
     def schedule(self, cand: Candidate):
@@ -106,32 +83,10 @@ class Evaluator(CandidateBounds):
             self._schedules[key] = found
         return found
 
-    def stage_specs(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None, *,
-                    layers_of=None) -> tuple[StageSpec, ...]:
-        """One StageSpec per rank: memory, and time relative to the profiled GPU (1 on that GPU)."""
-        pp = cand.parallel.pipeline_model_parallel_size
-        if gpus is None or all(gpu is self.cluster.gpu for gpu in gpus):  # all on the profiled GPU: scale 1
-            found = self._uniform_specs.get(pp)
-            if found is None:
-                gpu = self.cluster.gpu
-                found = self._uniform_specs[pp] = (StageSpec(time_scale=1.0, memory_bytes=gpu.usable_memory_bytes,
-                                                             gpu_name=gpu.name),) * pp
-            return found
-        layers_of = layers_of or (lambda c, gpu=None: self.profile(c, gpu).layers)
-        ref_ms = None
-        specs = []
-        for gpu in gpus:
-            scale = 1.0
-            if gpu != self.cluster.gpu:
-                ref_ms = ref_ms if ref_ms is not None else _profile_ms(layers_of(cand))
-                scale = _profile_ms(layers_of(cand, gpu)) / ref_ms
-            specs.append(StageSpec(time_scale=scale, memory_bytes=gpu.usable_memory_bytes, gpu_name=gpu.name))
-        return tuple(specs)
-
     def partition(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
                   check_memory: bool = True) -> Partition:
         return partition.solve(
-            self.profile(cand), list(self.stage_specs(cand, gpus)), num_microbatches=cand.num_microbatches,
+            self.costs.profile(cand), list(self.costs.stage_specs(cand, gpus)), num_microbatches=cand.num_microbatches,
             schedule=cand.schedule, virtual_pipeline_model_parallel_size=cand.parallel.virtual_pipeline_model_parallel_size,
             method=method, check_memory=check_memory,
         )
@@ -147,12 +102,12 @@ class Evaluator(CandidateBounds):
         gpus = gpus or (self.cluster.gpu,) * pp
         if check_memory is None:
             check_memory = not self.options.ignore_memory_limit
-        specs = self.stage_specs(cand, gpus)
+        specs = self.costs.stage_specs(cand, gpus)
         if cand.per_stage_recompute:
-            part, layers, choices = per_stage_partition(self, cand, specs, check_memory=check_memory)
+            part, layers, choices = per_stage_partition(self.costs, cand, specs, check_memory=check_memory)
         else:
             part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory)
-            layers, choices = self.profile(cand).layers, ()
+            layers, choices = self.costs.profile(cand).layers, ()
         times = stage_times(layers=layers, layers_per_stage=part.layers_per_stage, stage_to_rank=part.stage_to_rank,
                             specs=specs)
         sums = self._rank_sums(cand, layers, part, times, gpus)
@@ -207,9 +162,6 @@ class Evaluator(CandidateBounds):
         )
         return plan_record(cand=cand, part=part, sim=sim, usages=usages, specs=specs, sync_ms=sums.sync_ms,
                            optimizer_ms=sums.optimizer_ms, cluster=self.cluster, options=self.options,
-                           flops_per_token=self.model_flops_per_token(cand.train.seq_length),
+                           flops_per_token=self.costs.model_flops_per_token(cand.train.seq_length),
                            stage_recompute=prepared.stage_recompute)
 
-
-def _profile_ms(layers) -> float:
-    return sum(layer.fwd_ms + layer.bwd_ms for layer in layers)

@@ -1,5 +1,4 @@
-"""Per-stage recompute (AdaPipe, Sun et al. 2024, ASPLOS): each pipeline stage picks its own recompute
-granularity jointly with the split, so only the stages where memory is tight pay for recompute.
+"""Exact min-max split where each stage also picks one of several cost options (per-stage recompute).
 
 Problem: split entries 0..n-1 into P contiguous non-empty stages; stage j holding [a, b) under
 option o costs ``s_j (T_o[b] - T_o[a])`` (T_o the fwd + bwd prefix of option o's profile) and needs
@@ -12,34 +11,21 @@ stop whose cost is <= B and whose bytes fit under o: each option's stops from a 
 stops reachable after stage j follow from those after stage j - 1 by a running maximum, as in
 :mod:`megapipe.partition.minmax`. Feasibility is monotone in B and the optimum is one of the
 canonical segment costs, so a binary search over their sorted values is exact. Memory is
-O(P x options x n^2) floats; this is an opt-in search dimension for one chunk per rank.
+O(P x options x n^2) floats: the planner uses it, opt-in, for one chunk per rank
+(:mod:`megapipe.plan.per_stage_recompute`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megapipe.errors import InfeasibleError
-from megapipe.partition.evaluate import build_partition
-from megapipe.partition.memory import in_flight_counts
-from megapipe.plan.records import Candidate
-from megapipe.records import GpuSpec, LayerCost, Partition, Recompute, StageSpec
+from megapipe.records import LayerCost, StageSpec
 
-if TYPE_CHECKING:
-    from megapipe.plan.evaluate import Bound, Evaluator
-
-__all__ = ["OptionSplit", "split_with_options", "RECOMPUTE_OPTIONS", "per_stage_bound", "per_stage_memory_bound",
-           "per_stage_can_fit", "per_stage_partition"]
-
-RECOMPUTE_OPTIONS = (Recompute.none, Recompute.selective, Recompute.full)
-"""The options each rank picks from, least recompute (fastest, most activation bytes) first."""
+__all__ = ["OptionSplit", "split_with_options"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,62 +121,3 @@ def _reconstruct(cost: np.ndarray, history: list[np.ndarray], bound: float) -> O
     choices.reverse()
     bottleneck = max(float(cost[j, choices[j], bounds[j], bounds[j + 1]]) for j in range(num_stages))
     return OptionSplit(bottleneck_ms=bottleneck, bounds=tuple(bounds), choices=tuple(choices))
-
-
-def _variant(cand: Candidate, recompute: Recompute) -> Candidate:
-    return Candidate(parallel=cand.parallel, train=dataclasses.replace(cand.train, recompute_granularity=recompute),
-                     schedule=cand.schedule)
-
-
-def per_stage_bound(ev: Evaluator, cand: Candidate, *, min_time_scale: float) -> Bound:
-    """Bounds valid for every per-stage choice: recompute adds time and removes activation bytes.
-
-    So the pipeline and optimizer terms of no recompute (with the smallest forward share of any
-    option) and the memory of full recompute bound every mix; the exposed DP sync, which shrinks
-    as the backward grows, is bounded by 0.
-    """
-    variants = [_variant(cand, option) for option in RECOMPUTE_OPTIONS]
-    share = min(ev.forward_share(variant) for variant in variants)
-    step = ev.bound_terms(variants[0], min_time_scale=min_time_scale, forward_share=share, include_sync=False)
-    return dataclasses.replace(step, memory_bytes=per_stage_memory_bound(ev, cand))
-
-
-def per_stage_memory_bound(ev: Evaluator, cand: Candidate) -> float:
-    """Full recompute everywhere holds the fewest activation bytes, so its memory bound bounds every mix."""
-    return ev.memory_bound(_variant(cand, RECOMPUTE_OPTIONS[-1]))
-
-
-def per_stage_can_fit(ev: Evaluator, cand: Candidate, gpus: tuple[GpuSpec, ...] | None) -> bool:
-    """False only if even full recompute on every rank cannot fit (when it holds the fewest bytes entry by entry)."""
-    lightest = _variant(cand, RECOMPUTE_OPTIONS[-1])
-    others = [ev.bound_layers(_variant(cand, option)) for option in RECOMPUTE_OPTIONS[:-1]]
-    least = ev.bound_layers(lightest)
-    if not all(low.static_bytes <= entry.static_bytes and low.act_bytes <= entry.act_bytes
-               for layers in others for low, entry in zip(least, layers)):
-        return True
-    return ev.split_can_fit(lightest, gpus)
-
-
-def per_stage_partition(ev: Evaluator, cand: Candidate, specs: Sequence[StageSpec], *, check_memory: bool
-                        ) -> tuple[Partition, tuple[LayerCost, ...], tuple[str, ...]]:
-    """The split and each rank's recompute setting; the layers each rank runs (its option's costs).
-
-    Raises InfeasibleError when no split fits even with full recompute where needed.
-    """
-    pp = cand.parallel.pipeline_model_parallel_size
-    profiles = [ev.profile(_variant(cand, option)).layers for option in RECOMPUTE_OPTIONS]
-    in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
-                                 num_microbatches=cand.num_microbatches)
-    caps = specs if check_memory else [dataclasses.replace(spec, memory_bytes=math.inf) for spec in specs]
-    found = split_with_options(options=profiles, stages=caps, in_flight=in_flight)
-    if found is None:
-        raise InfeasibleError(
-            f"per-stage recompute: no split of {len(profiles[0])} entries over pipeline_model_parallel_size={pp} "
-            "fits memory even with full recompute; add pipeline stages or use a smaller micro-batch"
-        )
-    bounds = found.bounds
-    layers = tuple(entry for stage, choice in enumerate(found.choices)
-                   for entry in profiles[choice][bounds[stage]:bounds[stage + 1]])
-    part = build_partition(layers=layers, stages=specs, bounds=bounds, in_flight=in_flight, ranks=tuple(range(pp)),
-                           num_microbatches=cand.num_microbatches, schedule=cand.schedule, method="optimal")
-    return part, layers, tuple(RECOMPUTE_OPTIONS[choice].value for choice in found.choices)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megapipe.errors import ProfileError
-from megapipe.profile.format import Profile
+from megapipe.records import Profile
 from megapipe.records import (
     Activation,
     AttentionBackend,

@@ -35,16 +35,14 @@ from dataclasses import dataclass
 
 from megapipe.errors import ConfigError, ProfileError
 from megapipe.layout import LETTER, parse_layout
-from megapipe.partition import evaluate, solve
-from megapipe.profile.format import Profile
-from megapipe.records import LayerCost, Partition, StageSpec
-from megapipe.schedules import build
+from megapipe.partition import given_split, solve
+from megapipe.records import LayerCost, Partition, Profile, StageSpec
+from megapipe.schedules import build, spec
 from megapipe.simulate import P2PCost, simulate, stage_times
 
-__all__ = ["MONITOR_FORMAT", "ATTRIBUTIONS", "MeasuredRun", "Replan", "measured_run", "stage_entries",
-           "kind_factors", "attribute_times", "attribute_memory", "replan"]
+__all__ = ["ATTRIBUTIONS", "MeasuredRun", "Replan", "stage_entries", "kind_factors", "attribute_times",
+           "attribute_memory", "replan"]
 
-MONITOR_FORMAT = "megapipe-monitor/1"
 ATTRIBUTIONS = ("stage", "kind")
 """stage: each stage's time split in proportion to the profile; kind: per-kind factors first (module doc)."""
 
@@ -107,74 +105,6 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _mean(values: Sequence[float]) -> float:
-    return math.fsum(values) / len(values)
-
-
-def measured_run(records: Sequence[dict], *, skip_steps: int = 1, layout: str | None = None) -> MeasuredRun:
-    """The ``megapipe-monitor/1`` records of a run (``read_monitor``) as a MeasuredRun.
-
-    Uses rank 0's ``pipeline`` records with stage times, dropping the first
-    ``skip_steps`` (warm-up) when later ones exist. ``layout`` is used when the log
-    records none (e.g. from the run's plan.yaml).
-    """
-    rows = [r for r in records if r.get("kind") == "pipeline" and r.get("stage_forward_ms")]
-    if not rows:
-        raise ConfigError("the monitor log has no pipeline records with stage times; monitor the run with "
-                          "pipeline_model_parallel_size > 1 and the schedule hook on (attach_monitor)")
-    if len(rows) > skip_steps:
-        rows = rows[skip_steps:]
-    count = len(rows[0]["stage_forward_ms"])
-    forward, backward = [], []
-    for index in range(count):
-        values = [(r["stage_forward_ms"][index], r["stage_backward_ms"][index]) for r in rows
-                  if len(r["stage_forward_ms"]) == count]
-        if not all(_finite(f) and _finite(b) for f, b in values):
-            raise ConfigError(f"the monitor log has a missing stage time for layout stage {index}; "
-                              "replan from a run whose monitor stayed on")
-        forward.append(_mean([f for f, _ in values]))
-        backward.append(_mean([b for _, b in values]))
-    recorded = {r.get("layout") for r in records if r.get("kind") in ("start", "pipeline") and r.get("layout")}
-    if len(recorded) > 1:
-        raise ConfigError(f"the monitor log holds several layouts {sorted(recorded)}; replan one run at a time")
-    run_layout = recorded.pop() if recorded else layout
-    if not run_layout:
-        raise ConfigError("the monitor log records no layout; pass it to attach_monitor(layout=...) or keep the "
-                          "run's plan.yaml in the run directory")
-    pp = len(rows[0].get("stage_peak_bytes") or []) or _start_field(records, "pipeline_model_parallel_size") or count
-    steps = [r["step_time_ms"] for r in rows if _finite(r.get("step_time_ms"))]
-    return MeasuredRun(
-        layout=str(run_layout), pipeline_model_parallel_size=int(pp), stage_forward_ms=tuple(forward),
-        stage_backward_ms=tuple(backward), step_time_ms=_mean(steps) if steps else math.nan,
-        num_microbatches=_num_microbatches(records, count // int(pp)),
-        rank_peak_bytes=_device_peaks(records, rows), num_steps=len(rows),
-    )
-
-
-def _start_field(records: Sequence[dict], key: str):
-    for record in records:
-        if record.get("kind") == "start" and record.get(key):
-            return record[key]
-    return None
-
-
-def _num_microbatches(records: Sequence[dict], num_model_chunks: int) -> int | None:
-    counts = {round(r["num_microbatches"]) for r in records
-              if r.get("kind") == "rank" and _finite(r.get("num_microbatches"))}
-    return counts.pop() if len(counts) == 1 and num_model_chunks == 1 else None
-
-
-def _device_peaks(records: Sequence[dict], rows: Sequence[dict]) -> tuple[float, ...]:
-    """Per-rank peaks when every rank reported a device capacity (GPU); host RSS is not a model figure."""
-    ranks = [r for r in records if r.get("kind") == "rank"]
-    if not ranks or not all(_finite(r.get("capacity_bytes")) for r in ranks):
-        return ()
-    peaks = [r.get("stage_peak_bytes") or [] for r in rows]
-    if not peaks[0] or not all(_finite(v) for row in peaks for v in row):
-        return ()
-    return tuple(max(row[i] for row in peaks) for i in range(len(peaks[0])))
-
-
 def stage_entries(profile: Profile, layout: str) -> tuple[int, ...]:
     """Profile entries per layout stage; raises ProfileError when the layout is not this profile's model."""
     stages = parse_layout(layout)
@@ -223,8 +153,11 @@ def _by_kind(profile: Profile, counts: Sequence[int], forward: Sequence[float], 
 
 def attribute_times(profile: Profile, *, layers_per_stage: Sequence[int], stage_forward_ms: Sequence[float],
                     stage_backward_ms: Sequence[float], stage_time_scale: Sequence[float] | None = None,
-                    attribution: str = "stage") -> Profile:
-    """Profile whose entries' times sum, per stage, to the measured ones (divided by the stage's time_scale)."""
+                    attribution: str = "stage", corrected_from: str = "measured run") -> Profile:
+    """Profile whose entries' times sum, per stage, to the measured ones (divided by the stage's time_scale).
+
+    ``corrected_from`` names the measurements in the profile's meta (the monitor log format).
+    """
     if not (len(layers_per_stage) == len(stage_forward_ms) == len(stage_backward_ms)):
         raise ConfigError(f"{len(stage_forward_ms)} measured stages for a layout of {len(layers_per_stage)} stages; "
                           "replan with the monitor log of the run that used this layout")
@@ -244,7 +177,7 @@ def attribute_times(profile: Profile, *, layers_per_stage: Sequence[int], stage_
         for layer, fwd, bwd in zip(chunk, forward, backward):
             share = layer.wgrad_ms / layer.bwd_ms if layer.bwd_ms > 0 else 0.0
             layers.append(dataclasses.replace(layer, fwd_ms=fwd, bwd_ms=bwd, wgrad_ms=min(bwd, share * bwd)))
-    meta = {**dict(source.meta), "source": "replan", "corrected_from": MONITOR_FORMAT, "attribution": attribution}
+    meta = {**dict(source.meta), "source": "replan", "corrected_from": corrected_from, "attribution": attribution}
     return Profile(layers=tuple(layers), device=profile.device, meta=tuple(meta.items()))
 
 
@@ -274,10 +207,11 @@ def _step_ms(profile: Profile, part: Partition, stages: Sequence[StageSpec], sch
 
 def replan(profile: Profile, run: MeasuredRun, *, stages: Sequence[StageSpec], schedule: str, num_microbatches: int,
            p2p: P2PCost = P2PCost(), min_gain: float = 0.02,
-           microbatch_group_size_per_vp_stage: int | None = None, attribution: str = "stage") -> Replan:
+           microbatch_group_size_per_vp_stage: int | None = None, attribution: str = "stage",
+           corrected_from: str = "measured run") -> Replan:
     """Correct ``profile`` with ``run``'s measurements, solve again and decide whether the change is worth it.
 
-    ``stages``: one StageSpec per pipeline rank (``megapipe.stages.stage_specs``).
+    ``stages``: one StageSpec per pipeline rank (:mod:`megapipe.placement`), placed as the run was.
     """
     if not (_finite(min_gain) and min_gain >= 0):
         raise ConfigError(f"search.min_gain={min_gain!r} must be a number >= 0 (0.02 = 2%)")
@@ -289,15 +223,16 @@ def replan(profile: Profile, run: MeasuredRun, *, stages: Sequence[StageSpec], s
     if len(counts) % pp:
         raise ConfigError(f"layout {run.layout!r} has {len(counts)} stages, not a multiple of "
                           f"pipeline_model_parallel_size={pp}")
-    scales = [stages[stage % pp].time_scale for stage in range(len(counts))]
+    ranks = spec(schedule).stage_to_rank(pipeline_model_parallel_size=pp, num_stages=len(counts))
+    scales = [stages[rank].time_scale for rank in ranks]
     corrected = attribute_times(profile, layers_per_stage=counts, stage_forward_ms=run.stage_forward_ms,
                                 stage_backward_ms=run.stage_backward_ms, stage_time_scale=scales,
-                                attribution=attribution)
-    old = evaluate(corrected, stages, layers_per_stage=counts, num_microbatches=num_microbatches, schedule=schedule)
+                                attribution=attribution, corrected_from=corrected_from)
+    old = given_split(corrected, stages, layers_per_stage=counts, num_microbatches=num_microbatches, schedule=schedule)
     if run.rank_peak_bytes:
         corrected = attribute_memory(corrected, old=old, rank_peak_bytes=run.rank_peak_bytes)
-        old = evaluate(corrected, stages, layers_per_stage=counts, num_microbatches=num_microbatches,
-                       schedule=schedule)
+        old = given_split(corrected, stages, layers_per_stage=counts, num_microbatches=num_microbatches,
+                          schedule=schedule)
     vp = len(counts) // pp
     new = solve(corrected, stages, num_microbatches=num_microbatches, schedule=schedule,
                 virtual_pipeline_model_parallel_size=vp,

@@ -17,7 +17,7 @@ from itertools import chain, repeat
 
 from megapipe import cost
 from megapipe.cost.params import bytes_per_parameter
-from megapipe.plan.records import Candidate
+from megapipe.plan.plans import Candidate
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec
 
 __all__ = ["UnitCosts", "repeated_sum"]

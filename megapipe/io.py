@@ -1,0 +1,130 @@
+"""megapipe's files: atomic writes, profile files and plan files, read and written in one place.
+
+Every file is written to a temporary file beside its path and renamed into place, so a
+crash never leaves a half-written file, and with the mode the process umask gives a new
+file (``tempfile`` alone would give 0600). The same inputs give the same bytes: YAML is
+dumped with a fixed style and PNG metadata is pinned by the callers.
+
+Readers turn every problem (missing file, bad YAML, wrong format string) into one
+:class:`~megapipe.errors.MegapipeError` that names the file and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+
+import yaml
+
+from megapipe.errors import ConfigError, ProfileError
+from megapipe.plan.document import FORMAT as PLAN_FORMAT
+from megapipe.profile.format import profile_from_dict, profile_to_dict
+from megapipe.records import Profile
+
+__all__ = [
+    "PLAN_FILE",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "dump_yaml",
+    "load_profile",
+    "save_profile",
+    "read_plan",
+    "plan_document",
+    "write_plan_dir",
+]
+
+PLAN_FILE = "plan.yaml"
+"""The plan document's name inside a plan directory."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it into place."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def dump_yaml(document: object, *, flow: bool | None = False, width: int = 120) -> str:
+    """YAML text in megapipe's fixed style (insertion order kept), for byte-identical files."""
+    return yaml.safe_dump(document, sort_keys=False, default_flow_style=flow, width=width)
+
+
+def _read_yaml(path: str, error: type[Exception], what: str, fix: str) -> object:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return yaml.safe_load(handle)
+    except OSError as exc:
+        raise error(f"cannot read {what} {path!r}: {exc.strerror}; {fix}") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{what} {path!r} is not valid YAML: {str(exc).splitlines()[0]}; {fix}") from None
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    """A ``megapipe-profile/1`` file; ProfileError naming the file otherwise."""
+    path = os.fspath(path)
+    data = _read_yaml(path, ProfileError, "profile", "pass a file written by `megapipe profile` or `megapipe plan`")
+    return profile_from_dict(data, source=path)
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> None:
+    """Write ``profile`` atomically as ``megapipe-profile/1``."""
+    atomic_write_text(path, yaml.safe_dump(profile_to_dict(profile), sort_keys=False, default_flow_style=None,
+                                           width=200))
+
+
+def plan_document(document: object, *, source: str = "plan") -> dict:
+    """Check that ``document`` is a ``megapipe-plan/1`` mapping with a best plan; return it."""
+    if not isinstance(document, Mapping) or document.get("format") != PLAN_FORMAT or "best" not in document:
+        got = document.get("format") if isinstance(document, Mapping) else type(document).__name__
+        raise ConfigError(f"{source}: format={got!r} is not a {PLAN_FORMAT} document; pass the {PLAN_FILE} "
+                          "that `megapipe plan` wrote")
+    return dict(document)
+
+
+def read_plan(path: str | os.PathLike) -> dict:
+    """The ``megapipe-plan/1`` document in ``path`` (a plan.yaml, or a directory holding one)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, PLAN_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"plan {path!r} does not exist; pass the {PLAN_FILE} that `megapipe plan` wrote")
+    fix = f"restore the {PLAN_FILE} that `megapipe plan` wrote"
+    return plan_document(_read_yaml(path, ConfigError, "plan", fix), source=path)
+
+
+PLAN_TEXT_FILES = (("megatron_args.txt", "megatron_args"), ("bridge_overrides.txt", "bridge_overrides"),
+                   ("nemo2_overrides.txt", "nemo2_overrides"), ("nemo1_overrides.txt", "nemo1_overrides"))
+"""The plan dir's argument files and the :class:`~megapipe.emit.Emitted` field each holds, one token per line."""
+
+
+def write_plan_dir(directory: str, *, document: dict, emitted, profile: Profile | None) -> None:
+    """plan.yaml, the argument files and (when the plan was costed with one) profile.yaml, each atomically."""
+    os.makedirs(directory, exist_ok=True)
+    atomic_write_text(os.path.join(directory, PLAN_FILE), dump_yaml(document))
+    for name, attribute in PLAN_TEXT_FILES:
+        atomic_write_text(os.path.join(directory, name), "\n".join(getattr(emitted, attribute)) + "\n")
+    if profile is not None:
+        save_profile(profile, os.path.join(directory, "profile.yaml"))
