@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from megapipe.errors import ProfileError
+from megapipe.units import GIB
 
 __all__ = [
     "Activation",
@@ -125,7 +126,7 @@ class GpuSpec:
 
     @property
     def usable_memory_bytes(self) -> float:
-        return self.memory_gib * 2**30 * self.usable_memory_fraction
+        return self.memory_gib * GIB * self.usable_memory_fraction
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -337,11 +338,6 @@ class Partition:
         for rank, value in zip(ranks, values):
             sums[rank] += value
         return tuple(sums)
-
-    @property
-    def rank_time_ms(self) -> tuple[float, ...]:
-        """Per pipeline rank: the sum over its virtual stages."""
-        return self._rank_sums(self.stage_time_ms)
 
     @property
     def rank_memory_bytes(self) -> tuple[float, ...]:

@@ -78,7 +78,7 @@ def test_help(tmp_path):
 
 @pytest.mark.parametrize("command", ["plan", "partition"])
 def test_profile_of_another_model_is_refused(tmp_path, command):
-    from megapipe.commands.common import setup_profile, setup_stage_specs
+    from megapipe.commands.common import setup_profile
 
     tiny = to_setup(compose(["model=tiny_gpt", "cluster=cpu_gloo", "parallel.tensor_model_parallel_size=1",
                              "parallel.pipeline_model_parallel_size=2"]))
@@ -91,7 +91,7 @@ def test_profile_of_another_model_is_refused(tmp_path, command):
 
 def test_mixed_cluster_time_scales_agree_with_the_planner():
     """partition/simulate and the planner price a slower GPU type the same way: modelled layer-time ratios."""
-    from megapipe.commands.common import setup_profile, setup_stage_specs
+    from megapipe.commands.common import setup_stage_specs
     from megapipe.plan.evaluator import Evaluator
     from megapipe.plan.plans import Candidate
 

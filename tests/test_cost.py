@@ -29,7 +29,6 @@ from megapipe.cost import (
 from megapipe.cost.flops import mtp_gemm_flops
 from megapipe.errors import ConfigError
 from megapipe.profile.format import profile_from_dict, profile_to_dict
-from megapipe.records import Profile
 from megapipe.records import (
     Activation,
     AttentionBackend,

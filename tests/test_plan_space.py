@@ -13,7 +13,7 @@ from megapipe.plan.money import cost_per_million_tokens, gpu_hours, training_cos
 from megapipe.plan.rank import rank_plans
 from megapipe.plan.plans import Plan, SearchOptions, StageUsage
 from megapipe.plan.space import divisors, enumerate_candidates
-from megapipe.plan.sync import dp_link, dp_sync_ms, optimizer_step_ms
+from megapipe.cost.data_parallel import dp_link, dp_sync_ms, optimizer_step_ms
 from megapipe.plan.warnings import plan_warnings
 from megapipe.records import (
     ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, ParallelSpec, Recompute, TrainSpec,

@@ -4,7 +4,8 @@ Pure functions of records (no torch, no I/O). Formulas and their sources are in 
 module's docstring and in ``docs/cost_model.md``.
 """
 
-from megapipe.cost.efficiency import Collective, collective_ms, gemm_ms, memory_ms, tensor_parallel_link
+from megapipe.cost.comm import Collective, collective_ms, tensor_parallel_link
+from megapipe.cost.efficiency import gemm_ms, memory_ms
 from megapipe.cost.flops import attention_flops, decoder_gemm_flops, model_flops_per_token, output_gemm_flops
 from megapipe.cost.layers import layer_costs
 from megapipe.cost.memory import activation_bytes_per_layer, p2p_bytes

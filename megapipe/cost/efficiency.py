@@ -15,28 +15,17 @@ al. 2009, "Roofline"; Calculon, Isaev et al. SC23, uses per-size efficiency tabl
 Memory-bound kernels (norms, elementwise, softmax, embedding lookup, cross-entropy)
 move bytes at ``bandwidth_efficiency * hbm_gbytes_per_s``.
 
-Collectives use the ring algorithm's bandwidth term (Patarasuk & Yuan 2009;
-Thakur et al. 2005): all-reduce moves ``2 (n-1)/n`` of the buffer per GPU,
-all-gather and reduce-scatter ``(n-1)/n`` of the full (gathered) buffer, plus one
-``latency_us`` per collective (the link's effective small-message latency).
+Communication is costed in :mod:`megapipe.cost.comm`.
 """
 
 from __future__ import annotations
 
-import enum
+from megapipe.records import GpuSpec
 
-from megapipe.records import ClusterSpec, GpuSpec, LinkSpec
-
-__all__ = ["Collective", "gemm_ms", "memory_ms", "collective_ms", "tensor_parallel_link", "peak_flops"]
+__all__ = ["gemm_ms", "memory_ms", "peak_flops"]
 
 _FP32_TENSOR_FRACTION = 0.5
 """TF32 tensor-core peak / bf16 peak on A100, H100, H200 and B200 datasheets."""
-
-
-class Collective(str, enum.Enum):
-    all_reduce = "all_reduce"
-    all_gather = "all_gather"
-    reduce_scatter = "reduce_scatter"
 
 
 def peak_flops(gpu: GpuSpec, precision: str = "bf16") -> float:
@@ -55,19 +44,3 @@ def gemm_ms(*, flops: float, gpu: GpuSpec, precision: str = "bf16") -> float:
 def memory_ms(*, num_bytes: float, gpu: GpuSpec) -> float:
     """Bytes read plus written by memory-bound kernels, at ``bandwidth_efficiency * hbm_gbytes_per_s``."""
     return num_bytes / (gpu.bandwidth_efficiency * gpu.hbm_gbytes_per_s * 1e9) * 1e3
-
-
-def collective_ms(*, kind: Collective, num_bytes: float, group_size: int, link: LinkSpec) -> float:
-    """Ring collective over ``group_size`` GPUs of a buffer of ``num_bytes`` (the gathered size); 0 for one GPU."""
-    if group_size <= 1 or num_bytes <= 0:
-        return 0.0
-    passes = 2.0 if kind == Collective.all_reduce else 1.0
-    moved = passes * (group_size - 1) / group_size * num_bytes
-    return moved / (link.bandwidth_gbytes_per_s * 1e9) * 1e3 + link.latency_us * 1e-3
-
-
-def tensor_parallel_link(*, cluster: ClusterSpec, tensor_model_parallel_size: int) -> LinkSpec:
-    """NVLink-class ``intra_node`` when the TP group fits in a node, else the ``inter_node`` network."""
-    if tensor_model_parallel_size <= cluster.gpus_per_node:
-        return cluster.intra_node
-    return cluster.inter_node

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapipe.cost.efficiency import Collective, collective_ms, gemm_ms, memory_ms, tensor_parallel_link
+from megapipe.cost.comm import Collective, collective_ms, tensor_parallel_link
+from megapipe.cost.efficiency import gemm_ms, memory_ms
 from megapipe.cost.flops import attention_flops, decoder_gemm_flops, output_gemm_flops
 from megapipe.cost.memory import (
     decoder_activation_bytes,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any

@@ -2,7 +2,8 @@
 
 ```python
 from megapipe.partition import solve, StageSpec
-part = solve(profile, [StageSpec(memory_bytes=80 * 2**30)] * 8, num_microbatches=32, schedule="1f1b")
+from megapipe.units import GIB
+part = solve(profile, [StageSpec(memory_bytes=80 * GIB)] * 8, num_microbatches=32, schedule="1f1b")
 part.layout, part.bottleneck_ms
 ```
 """

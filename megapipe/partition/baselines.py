@@ -6,8 +6,7 @@
   Megatron asserts that num_layers is divisible by pp (and the per-rank count by
   vp); where it is not, this baseline still returns a split for comparison, giving
   one extra decoder layer to each of the first ``num_layers % stages`` stages
-  (DeepSpeed's ``partition_uniform`` rule), and says so in
-  :data:`EQUAL_REMAINDER_RULE`.
+  (DeepSpeed's ``partition_uniform`` rule).
 - ``parameters``: DeepSpeed ``PipelineModule(partition_method="parameters")``:
   ``ds_utils.partition_balanced`` over per-entry parameter counts. Since December
   2023 that function is a dynamic program that, for each prefix and
@@ -25,9 +24,7 @@ import numpy as np
 from megapipe.errors import InfeasibleError
 from megapipe.records import LayerKind
 
-__all__ = ["EQUAL_REMAINDER_RULE", "equal_bounds", "parameters_bounds", "uniform_counts"]
-
-EQUAL_REMAINDER_RULE = "first num_layers % stages stages get one extra decoder layer (Megatron would reject this)"
+__all__ = ["equal_bounds", "parameters_bounds", "uniform_counts"]
 
 
 def uniform_counts(*, num_items: int, num_parts: int) -> tuple[int, ...]:

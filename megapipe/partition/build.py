@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from megapipe.errors import InfeasibleError
 from megapipe.layout import format_layout
 from megapipe.records import LayerCost, Partition, StageSpec
+from megapipe.units import GIB
 
-__all__ = ["GIB", "build_partition", "over_memory_message"]
+__all__ = ["build_partition", "over_memory_message"]
 
-GIB = 2**30
 MEMORY_FIX = "add pipeline stages, recompute, or a smaller micro-batch"
 
 

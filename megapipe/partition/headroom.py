@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megapipe.partition.minmax import SegmentCost, segment_cost
+from megapipe.partition.minmax import SegmentCost
 
 __all__ = ["least_utilisation_split", "utilisation_weights"]
 
@@ -38,18 +38,6 @@ def utilisation_weights(caps: Sequence[float]) -> tuple[float, ...]:
     if any(math.isfinite(cap) for cap in caps):
         return tuple(float(cap) for cap in caps)
     return (1.0,) * len(caps)
-
-
-def time_reach(cost: SegmentCost, start: int, bound: float, num_entries: int) -> int:
-    """The largest stop b >= start whose segment [start, b) costs at most ``bound`` (canonical cost)."""
-    prefix = cost.prefix
-    stop = bisect_right(prefix, prefix[start] + (bound - cost.offset) / cost.scale, start, num_entries + 1) - 1
-    stop = max(stop, start)
-    while stop < num_entries and segment_cost(cost, start, stop + 1) <= bound:
-        stop += 1
-    while stop > start and segment_cost(cost, start, stop) > bound:
-        stop -= 1
-    return stop
 
 
 def least_utilisation_split(
@@ -74,7 +62,7 @@ def least_utilisation_split(
         cache = reach[stage]
         found = cache.get(start)
         if found is None:
-            # min(memory reach, time_reach(...)) with time_reach inlined: this runs for every window position.
+            # min(memory reach, time reach): the time reach is computed inline, for every window position.
             cost = costs[stage]
             prefix, scale, offset = cost.prefix, cost.scale, cost.offset
             base = prefix[start]

@@ -26,6 +26,7 @@ from megapipe.partition.headroom import least_utilisation_split
 from megapipe.partition.minmax import SegmentCost, min_max_split, reachable_sets, segment_cost
 from megapipe.records import LayerCost, Partition, StageSpec
 from megapipe.schedules import ScheduleName, spec
+from megapipe.units import GIB
 
 __all__ = ["METHODS", "solve", "given_split"]
 
@@ -222,7 +223,7 @@ def _memory_infeasible_message(layers, stages, ranks, in_flight, caps) -> str:
     detail = ""
     if len(costs) > len(stages):
         rank = ranks[worst]
-        detail = f" (its share of pipeline rank {rank}'s {stages[rank].memory_bytes / 2**30:.1f} GiB)"
+        detail = f" (its share of pipeline rank {rank}'s {stages[rank].memory_bytes / GIB:.1f} GiB)"
     return over_memory_message(label=f"stage {worst}", need_bytes=need, cap_bytes=caps[worst], detail=detail)
 
 

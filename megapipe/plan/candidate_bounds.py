@@ -19,7 +19,7 @@ from megapipe.plan.bounds import layer_shape, least_in_flight, split_can_fit, wa
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.per_stage_recompute import RECOMPUTE_OPTIONS, variant
 from megapipe.plan.plans import Candidate, SearchOptions
-from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
+from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
 from megapipe.plan.unit_costs import repeated_sum
 from megapipe.records import GpuSpec, LayerKind
 from megapipe.schedules import PathShare, spec

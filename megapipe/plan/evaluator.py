@@ -25,7 +25,7 @@ from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.metrics import plan_record
 from megapipe.plan.per_stage_recompute import per_stage_partition
 from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
-from megapipe.plan.sync import dp_sync_ms, optimizer_step_ms
+from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
 from megapipe.records import ClusterSpec, GpuSpec, ModelSpec, Partition, Profile, StageSpec
 from megapipe.simulate import StageTimes, p2p_cost, simulate, stage_times
 

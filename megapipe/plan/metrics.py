@@ -20,10 +20,10 @@ from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.warnings import plan_warnings
 from megapipe.records import ClusterSpec, LayerKind, Partition, Recompute, StageSpec
 from megapipe.simulate import SimResult
+from megapipe.units import GIB
 
-__all__ = ["plan_record", "GIB"]
+__all__ = ["plan_record"]
 
-GIB = 2**30
 _RECOMPUTE_ORDER = ("none", "selective", "full")
 
 

@@ -7,6 +7,7 @@ backend; PNG metadata is pinned so the same result gives the same bytes.
 from __future__ import annotations
 
 from megapipe.schedules import Kind
+from megapipe.report.plots import save_png
 from megapipe.simulate import SimResult
 
 __all__ = ["KIND_COLOURS", "gantt_png"]
@@ -49,6 +50,4 @@ def gantt_png(result: SimResult, path: str, *, title: str | None = None, label_o
     axes.legend(handles, [_LABELS[k] for k in KIND_COLOURS if k in used], loc="upper center", fontsize=7,
                 bbox_to_anchor=(0.5, -0.12 - 0.5 / ranks), ncol=len(handles), frameon=False)
     figure.tight_layout()
-    figure.savefig(path, format="png", metadata={"Software": None})
-    plt.close(figure)
-    return path
+    return save_png(figure, path)

@@ -7,10 +7,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["memory_chart", "sweep_chart"]
+from megapipe.io import atomic_write_bytes
+from megapipe.units import GIB
 
-_GIB = 2**30
+__all__ = ["memory_chart", "sweep_chart", "save_png"]
+
 _META = {"Software": None}
+
+
+def save_png(figure, path: str) -> str:
+    """The figure as PNG with pinned metadata (same inputs, same bytes), written atomically; closes it."""
+    import io as _memory
+
+    import matplotlib.pyplot as plt
+
+    buffer = _memory.BytesIO()
+    figure.savefig(buffer, format="png", metadata=_META)
+    plt.close(figure)
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
 
 
 def _pyplot():
@@ -31,14 +46,14 @@ def memory_chart(plan, path: str, *, baseline=None, usable_gib: float | None = N
     ranks = range(len(plan.stages))
     width = 0.4 if baseline is not None else 0.8
     figure, axes = plt.subplots(figsize=(max(6, 0.6 * len(plan.stages) + 3), 4), dpi=100)
-    static = [s.static_bytes / _GIB for s in plan.stages]
-    act = [s.activation_bytes / _GIB for s in plan.stages]
+    static = [s.static_bytes / GIB for s in plan.stages]
+    act = [s.activation_bytes / GIB for s in plan.stages]
     left = [r - width / 2 if baseline is not None else r for r in ranks]
     axes.bar(left, static, width, label="static (plan)", color="#4C72B0")
     axes.bar(left, act, width, bottom=static, label="activations (plan)", color="#DD8452")
     if baseline is not None and len(baseline.stages) == len(plan.stages):
         right = [r + width / 2 for r in ranks]
-        totals = [s.total_bytes / _GIB for s in baseline.stages]
+        totals = [s.total_bytes / GIB for s in baseline.stages]
         axes.bar(right, totals, width, label="equal split total", facecolor="none", edgecolor="#333333", hatch="//")
     if usable_gib is not None:
         axes.axhline(usable_gib, color="#C44E52", linestyle="--", linewidth=1, label="usable memory")
@@ -48,9 +63,7 @@ def memory_chart(plan, path: str, *, baseline=None, usable_gib: float | None = N
     axes.set_title(f"memory per stage: {plan.schedule}, CV {plan.memory_cv:.2f}")
     axes.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, format="png", metadata=_META)
-    plt.close(figure)
-    return path
+    return save_png(figure, path)
 
 
 def sweep_chart(rows: Sequence[dict], path: str) -> str:
@@ -66,6 +79,4 @@ def sweep_chart(rows: Sequence[dict], path: str) -> str:
     bottom.set_xticks(list(positions), labels, fontsize=7)
     top.set_title("megapipe sweep: best plan per model x cluster")
     figure.tight_layout()
-    figure.savefig(path, format="png", metadata=_META)
-    plt.close(figure)
-    return path
+    return save_png(figure, path)

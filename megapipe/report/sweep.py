@@ -15,7 +15,8 @@ import yaml
 
 from megapipe.errors import ConfigError
 from megapipe.plan.document import FORMAT
-from megapipe.io import atomic_write_text
+from megapipe.units import GIB
+from megapipe.io import atomic_write_bytes, atomic_write_text
 
 __all__ = ["COLUMNS", "find_plans", "gather", "write_tables"]
 
@@ -53,7 +54,7 @@ def _row(path: str, doc: dict) -> dict:
         "schedule": best["schedule"], "layout": best["layout"], "step_time_s": best["step_time_s"],
         "tokens_per_s_per_gpu": best["tokens_per_s_per_gpu"], "mfu": best["mfu"],
         "bubble_fraction": best["bubble_fraction"],
-        "peak_memory_gib": max(stage["total_bytes"] for stage in best["stages"]) / 2**30,
+        "peak_memory_gib": max(stage["total_bytes"] for stage in best["stages"]) / GIB,
         "cost_per_million_tokens": best["cost_per_million_tokens"], "total_cost": best["total_cost"],
         "equal_split_tokens_per_s_per_gpu": baseline.get("tokens_per_s_per_gpu"),
         "plan_dir": os.path.dirname(path),
@@ -89,5 +90,7 @@ def write_tables(rows: list[dict], directory: str) -> list[str]:
         return paths
     table = pa.Table.from_pylist([{key: row[key] for key in COLUMNS} for row in rows])
     paths.append(os.path.join(directory, "sweep.parquet"))
-    pq.write_table(table, paths[1])
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    atomic_write_bytes(paths[1], sink.getvalue().to_pybytes())
     return paths

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from megapipe.io import atomic_write_text
 from megapipe.simulate import SimResult
 
 __all__ = ["trace_events", "trace_json", "write_trace"]
@@ -41,6 +42,5 @@ def trace_json(result: SimResult) -> str:
 
 
 def write_trace(result: SimResult, path: str) -> str:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(trace_json(result))
+    atomic_write_text(path, trace_json(result))
     return path

@@ -1,6 +1,6 @@
 """After the pipeline drains: data-parallel gradient sync and the optimizer step.
 
-Data-parallel sync (ring collectives, Patarasuk & Yuan 2009): each of d ranks sends
+Data-parallel sync (ring collectives, :mod:`megapipe.cost.comm`): each of d ranks sends
 ``2 (d-1)/d * B`` bytes for an all-reduce of B bytes, and half that for a reduce-scatter
 or an all-gather. Megatron's DDP reduces gradients over the data-parallel x context-parallel
 group (d = DP * CP); with the distributed optimizer it reduce-scatters gradients and
@@ -25,6 +25,7 @@ master weight, exp_avg and exp_avg_sq (3 x 8 bytes) and writes the 16-bit parame
 
 from __future__ import annotations
 
+from megapipe.cost.comm import Algorithm, Collective, collective_ms
 from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ParallelSpec
 
 __all__ = ["grad_bytes_per_param", "dp_link", "dp_sync_ms", "optimizer_step_ms", "ADAM_BYTES_PER_PARAM"]
@@ -43,14 +44,6 @@ def dp_link(*, cluster: ClusterSpec, parallel: ParallelSpec) -> LinkSpec:
     return cluster.intra_node if span <= cluster.gpus_per_node else cluster.inter_node
 
 
-def _ring_ms(*, num_bytes: float, group: int, link: LinkSpec, factor: float) -> float:
-    """``factor`` is 2 for an all-reduce and 1 for a reduce-scatter or all-gather."""
-    if group <= 1 or num_bytes <= 0:
-        return 0.0
-    transfer = factor * (group - 1) / group * num_bytes / (link.bandwidth_gbytes_per_s * 1e9)
-    return 1e3 * transfer + factor * (group - 1) * link.latency_us * 1e-3
-
-
 def dp_sync_ms(
     *,
     params_per_gpu: float,
@@ -65,8 +58,11 @@ def dp_sync_ms(
     link = dp_link(cluster=cluster, parallel=parallel)
     num_bytes = params_per_gpu * grad_bytes_per_param(precision)
     if not parallel.use_distributed_optimizer:
-        return max(0.0, _ring_ms(num_bytes=num_bytes, group=group, link=link, factor=2) - backward_ms)
-    half = _ring_ms(num_bytes=num_bytes, group=group, link=link, factor=1)
+        reduce = collective_ms(kind=Collective.all_reduce, num_bytes=num_bytes, group_size=group, link=link,
+                               algorithm=Algorithm.ring)
+        return max(0.0, reduce - backward_ms)
+    half = collective_ms(kind=Collective.reduce_scatter, num_bytes=num_bytes, group_size=group, link=link,
+                         algorithm=Algorithm.ring)
     return max(0.0, half - backward_ms) + max(0.0, half - forward_ms)
 
 

@@ -1,0 +1,108 @@
+"""The package's shape: no import circles, one home per schedule name and for the GiB, a pure core."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import defaultdict
+
+import pytest
+
+from megapipe.schedules import SCHEDULE_NAMES
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megapipe"
+CORE = ("cost", "partition", "schedules", "simulate", "plan", "emit")
+IMPURE = ("torch", "hydra", "omegaconf", "rich", "matplotlib", "yaml", "megapipe.monitor", "megapipe.profile.measure",
+          "megapipe.io", "megapipe.config", "megapipe.commands", "megapipe.cli")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: pathlib.Path) -> set[str]:
+    """Every megapipe module ``name`` imports, at module level or inside functions."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_import_circles():
+    graph = {name: {dep for dep in _imports(name, path) if dep in MODULES and dep != name}
+             for name, path in MODULES.items()}
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                circles.append(trail[trail.index(dep):] + [dep] if dep in trail else [node, dep])
+            elif dep not in state:
+                visit(dep, trail + [dep])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert circles == []
+
+
+def _string_constants(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    return {node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings}
+
+
+@pytest.mark.parametrize("name", [str(name) for name in SCHEDULE_NAMES])
+def test_a_schedule_name_is_a_literal_in_at_most_two_modules_outside_schedules(name):
+    where = sorted(module for module, path in MODULES.items()
+                   if not module.startswith("megapipe.schedules") and name in _string_constants(path))
+    assert len(where) <= 2, where
+
+
+def test_one_gib_constant():
+    where = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            power = (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)
+                     and getattr(node.left, "value", None) in (2, 1024) and getattr(node.right, "value", None) in (30, 3))
+            if power or (isinstance(node, ast.Constant) and node.value == 2**30):
+                where.append(module)
+    assert where == ["megapipe.units"]
+
+
+def test_the_core_is_pure():
+    """cost, partition, schedules, simulate, plan and emit import no torch, Hydra, files or console, and print nothing."""
+    offenders = defaultdict(list)
+    for module, path in MODULES.items():
+        if module.split(".")[1:2] not in [[part] for part in CORE]:
+            continue
+        for dep in _imports(module, path):
+            if dep.split(".")[0] in IMPURE or dep.startswith(IMPURE):
+                offenders[module].append(dep)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("print", "open"):
+                offenders[module].append(f"{node.func.id}()")
+    assert dict(offenders) == {}
