@@ -43,7 +43,7 @@ from megapipe.plan.plans import Candidate, Plan, SearchOptions, SearchResult, Se
 from megapipe.plan.space import Point, Space, enumerate_candidates
 from megapipe.records import Profile
 from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
-from megapipe.schedules import ScheduleName, spec
+from megapipe.schedules import SPECS, ScheduleName
 
 __all__ = ["search", "reference_candidate", "REFERENCE"]
 
@@ -107,9 +107,10 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tupl
     check_memory = not options.ignore_memory_limit
     min_scale = _min_time_scale(evaluator)
     steps: dict[tuple, float | None] = {}
+    classes = {name: item.bound_class for name, item in SPECS.items()}
     out = []
     for index, point in enumerate(space.points):
-        key = point[:4] + point[5:8] + (spec(point.schedule).bound_class, point.per_stage_recompute)  # all but VP
+        key = point[:4] + point[5:8] + (classes[point.schedule], point.per_stage_recompute)  # all but VP
         step = steps.get(key, _UNSET)
         if step is _UNSET:
             cand = space.candidate(point)

@@ -167,11 +167,10 @@ def enumerate_candidates(
             for pp in _pp_values(world, tp * cp, model, fixed, options):
                 dp = world // (tp * cp * pp)
                 for point in _inner(model=model, train=train, fixed=fixed, options=options, tp=tp, cp=cp, pp=pp,
-                                    dp=dp):
+                                    dp=dp, shape_ok=shape_ok):
                     enumerated += 1
-                    reason = point if isinstance(point, str) else _shape_reason(point, shape_ok, model)
-                    if reason:
-                        pruned[reason] += 1
+                    if isinstance(point, str):  # the reason it was pruned
+                        pruned[point] += 1
                     else:
                         out.append(point)
     if not enumerated:
@@ -195,42 +194,44 @@ def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options
     return values
 
 
-def _inner(*, model, train, fixed, options, tp, cp, pp, dp) -> Iterator[Point | str]:
+def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok) -> Iterator[Point | str]:
+    """Every point of one TP x CP x PP, or the reason it is pruned (``shape_ok``: the TP and CP rules hold).
+
+    Reasons, first that applies: ``microbatches`` (the global batch does not divide), ``divisibility``
+    (Megatron's shape rules, and at least one decoder per virtual stage), ``microbatches`` (the
+    schedule's own rule, :meth:`~megapipe.schedules.ScheduleSpec.searchable`).
+    """
     searched = MEGATRON_SCHEDULES if options.megatron_schedules_only else SCHEDULE_NAMES
     schedules = _values(fixed, "schedule", searched if pp > 1 else (ScheduleName.one_f_one_b,))
     mbs_values = _values(fixed, "micro_batch_size", options.micro_batch_sizes)
     recomputes = tuple(Recompute(value) for value in _values(fixed, "recompute_granularity", _RECOMPUTE))
     sps = tuple(bool(sp) for sp in _values(fixed, "sequence_parallel", (False, True) if tp > 1 else (False,)))
     for schedule in schedules:
-        vps = spec(schedule).virtual_sizes(pipeline_model_parallel_size=pp,
-                                           max_virtual=options.max_virtual_pipeline_model_parallel_size)
+        item = spec(schedule)
+        name = str(item.name)  # a plain str: points key many caches
+        vps = item.virtual_sizes(pipeline_model_parallel_size=pp,
+                                 max_virtual=options.max_virtual_pipeline_model_parallel_size)
         if "virtual_pipeline_model_parallel_size" in fixed:
             vp = int(fixed["virtual_pipeline_model_parallel_size"])
             vps = (vp,) if vp in vps or "schedule" in fixed else ()
         for vp in vps:
+            divisible = shape_ok and pp * vp <= model.num_layers
             for mbs in mbs_values:
                 mbs = int(mbs)
                 if train.global_batch_size % (mbs * dp):
                     yield "microbatches"
                     continue
                 m = train.global_batch_size // (mbs * dp)
+                reason = "" if divisible else "divisibility"
+                if not reason and not item.searchable(pipeline_model_parallel_size=pp, num_microbatches=m):
+                    reason = "microbatches"
                 per_stage = (options.per_stage_recompute and vp == 1 and pp > 1
                              and "recompute_granularity" not in fixed)
                 for recompute in (*recomputes, "per_stage") if per_stage else recomputes:
                     adaptive = recompute == "per_stage"
                     granularity = Recompute.none if adaptive else recompute
                     for sp in sps:
-                        yield Point(tp, cp, pp, dp, vp, mbs, granularity, sp, schedule, adaptive, m)
-
-
-def _shape_reason(point: Point, shape_ok: bool, model: ModelSpec) -> str:
-    """Megatron's shape rules; ``shape_ok`` holds the TP and CP ones, which depend on the point's sizes only."""
-    pp = point.pipeline_model_parallel_size
-    if not shape_ok or pp * point.virtual_pipeline_model_parallel_size > model.num_layers:
-        return "divisibility"
-    if not spec(point.schedule).searchable(pipeline_model_parallel_size=pp, num_microbatches=point.num_microbatches):
-        return "microbatches"
-    return ""
+                        yield reason or Point(tp, cp, pp, dp, vp, mbs, granularity, sp, name, adaptive, m)
 
 
 def _no_fit_message(world: int, fixed: Mapping[str, object]) -> str:

@@ -42,8 +42,8 @@ MEGATRON_SCHEDULES: tuple[ScheduleName, ...] = tuple(name for name, item in SPEC
 def spec(name: str) -> ScheduleSpec:
     """The spec of schedule ``name``; ScheduleError naming the known ones otherwise."""
     try:
-        return SPECS[ScheduleName(name)]
-    except ValueError:
+        return SPECS[name]
+    except (KeyError, TypeError):
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
 
 

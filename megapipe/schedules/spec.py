@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megapipe.schedules.base import Action
 
@@ -39,6 +39,9 @@ class ScheduleName(enum.StrEnum):
     zb_h2 = "zb_h2"
     zb_v = "zb_v"
     dualpipe_v = "dualpipe_v"
+
+    __hash__ = str.__hash__
+    """Hash as the plain name, so dicts and sets keyed by names find a member by its string too."""
 
 
 class Placement(enum.StrEnum):
@@ -120,21 +123,20 @@ class ScheduleSpec:
     """The search skips m < this x P: V schedules need 2P microbatches to reach their steady state."""
     microbatches_multiple_of_stages: bool = False
     """Megatron's interleaving needs m to be a multiple of P (the default microbatch group)."""
+    bound_class: tuple = field(init=False)
+    """What the planner's closed-form bounds of a candidate depend on; schedules that share it share them."""
+    memory_class: tuple = field(init=False)
+    """What the memory lower bound depends on: the in-flight floor and where the loss sits."""
+
+    def __post_init__(self) -> None:
+        # Derived once: the search reads them for every candidate.
+        object.__setattr__(self, "bound_class", (self.path_share, self.in_flight_floor, self.placement))
+        object.__setattr__(self, "memory_class", (self.in_flight_floor, self.placement))
 
     @property
     def megatron_runs(self) -> bool:
         """True when megatron-core 0.16-0.19 runs this order for pipeline_model_parallel_size > 1."""
         return self.megatron_function is not None
-
-    @property
-    def bound_class(self) -> tuple:
-        """What the planner's closed-form bounds of a candidate depend on; schedules that share it share them."""
-        return (self.path_share, self.in_flight_floor, self.placement)
-
-    @property
-    def memory_class(self) -> tuple:
-        """What the memory lower bound depends on: the in-flight floor and where the loss sits."""
-        return (self.in_flight_floor, self.placement)
 
     def chunks_per_rank(self, virtual_pipeline_model_parallel_size: int = 1) -> int:
         """Model chunks each rank holds: the fixed count, or the given virtual size when it is searched."""
