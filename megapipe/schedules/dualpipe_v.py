@@ -106,15 +106,11 @@ def dualpipe_v_orders(
     return tuple(_rank_order(rank, pp, m) for rank in range(pp))
 
 
-def _orders(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
-    return dualpipe_v_orders(pipeline_model_parallel_size=pipeline_model_parallel_size,
-                             num_microbatches=num_microbatches)
-
 
 SPEC = ScheduleSpec(
     name=ScheduleName.dualpipe_v,
     summary="DualPipeV (DeepSeek-V3 report): DualPipe cut into a V, overlapped F&B pairs issued as F then B",
-    orders=_orders,
+    orders=lambda pp, m, v, group: dualpipe_v_orders(pipeline_model_parallel_size=pp, num_microbatches=m),
     placement=Placement.v,
     split_backward=True,
     fixed_chunks=2,

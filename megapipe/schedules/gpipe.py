@@ -23,14 +23,11 @@ def gpipe_orders(*, pipeline_model_parallel_size: int, num_microbatches: int) ->
     return tuple(orders)
 
 
-def _orders(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
-    return gpipe_orders(pipeline_model_parallel_size=pipeline_model_parallel_size, num_microbatches=num_microbatches)
-
 
 SPEC = ScheduleSpec(
     name=ScheduleName.gpipe,
     summary="GPipe (Huang et al. 2019): all forwards, then all backwards, then a flush",
-    orders=_orders,
+    orders=lambda pp, m, v, group: gpipe_orders(pipeline_model_parallel_size=pp, num_microbatches=m),
     torch_class="ScheduleGPipe",
     path_share=PathShare.whole,
     in_flight_floor=InFlightFloor.all,

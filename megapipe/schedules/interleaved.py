@@ -119,7 +119,9 @@ def interleaved_sizes_ok(pp: int, m: int, v: int, group: int) -> bool:
 SPEC = ScheduleSpec(
     name=ScheduleName.interleaved_1f1b,
     summary="interleaved 1F1B (Narayanan et al. 2021): v model chunks per rank in Megatron's vp-major order",
-    orders=interleaved_orders,
+    orders=lambda pp, m, v, group: interleaved_orders(
+        pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
+        microbatch_group_size_per_vp_stage=group),
     fixed_chunks=None,
     megatron_function="forward_backward_pipelining_with_interleaving",
     torch_class="ScheduleInterleaved1F1B",

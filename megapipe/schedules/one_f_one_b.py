@@ -40,15 +40,11 @@ def one_f_one_b_orders(
     )
 
 
-def _orders(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
-    return one_f_one_b_orders(pipeline_model_parallel_size=pipeline_model_parallel_size,
-                              num_microbatches=num_microbatches)
-
 
 SPEC = ScheduleSpec(
     name=ScheduleName.one_f_one_b,
     summary="1F1B / PipeDream-Flush (Narayanan et al. 2021): P - r - 1 warm-up forwards, then one F one B",
-    orders=_orders,
+    orders=lambda pp, m, v, group: one_f_one_b_orders(pipeline_model_parallel_size=pp, num_microbatches=m),
     megatron_function="forward_backward_pipelining_without_interleaving",
     torch_class="Schedule1F1B",
     path_share=PathShare.whole,

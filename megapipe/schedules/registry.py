@@ -92,8 +92,7 @@ def build(
     group = None
     if item.fixed_chunks is None:
         group = pp if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
-    orders = item.orders(pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
-                         microbatch_group_size_per_vp_stage=group)
+    orders = item.orders(pp, m, v, group)
     return Schedule(
         name=item.name, pipeline_model_parallel_size=pp, num_microbatches=m,
         virtual_pipeline_model_parallel_size=v, microbatch_group_size_per_vp_stage=group,

@@ -76,9 +76,8 @@ class InFlightFloor(enum.StrEnum):
     one = "one"
 
 
-Orders = Callable[..., tuple[tuple[Action, ...], ...]]
-"""``orders(pipeline_model_parallel_size=, num_microbatches=, virtual_pipeline_model_parallel_size=,
-microbatch_group_size_per_vp_stage=)`` -> per-rank action orders."""
+Orders = Callable[[int, int, int, "int | None"], tuple[tuple[Action, ...], ...]]
+"""``(pp, m, v, group) -> per-rank action orders``; group is None for schedules with fixed chunks."""
 Bubble = Callable[[int, int, int], "float | None"]
 """``(pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size) -> fraction``."""
 InFlight = Callable[[int, int, int, int], tuple[int, ...]]

@@ -105,14 +105,6 @@ def zb_h2_orders(*, pipeline_model_parallel_size: int, num_microbatches: int) ->
     return list_schedule_orders(pipeline_model_parallel_size=pp, num_microbatches=num_microbatches, caps=caps)
 
 
-def _zb_h1(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
-    return zb_h1_orders(pipeline_model_parallel_size=pipeline_model_parallel_size, num_microbatches=num_microbatches)
-
-
-def _zb_h2(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
-    return zb_h2_orders(pipeline_model_parallel_size=pipeline_model_parallel_size, num_microbatches=num_microbatches)
-
-
 def _zb_flushed(pp: int, m: int, v: int) -> float:
     """Idle (P-1)(F+B-W) per stage with F = B = W: (P-1)/(3m+P-1) of wall time (Qi et al. 2024, sec. 3.1)."""
     return (pp - 1) / (3 * m + pp - 1)
@@ -121,7 +113,7 @@ def _zb_flushed(pp: int, m: int, v: int) -> float:
 ZB_H1 = ScheduleSpec(
     name=ScheduleName.zb_h1,
     summary="ZB-H1 (Qi et al. 2024): 1F1B with split backward, W deferred into the cool-down, 1F1B memory",
-    orders=_zb_h1,
+    orders=lambda pp, m, v, group: zb_h1_orders(pipeline_model_parallel_size=pp, num_microbatches=m),
     split_backward=True,
     torch_class="ScheduleInterleavedZeroBubble",
     path_share=PathShare.forward,
@@ -134,7 +126,7 @@ ZB_H1 = ScheduleSpec(
 ZB_H2 = ScheduleSpec(
     name=ScheduleName.zb_h2,
     summary="ZB-H2 (Qi et al. 2024): more warm-up forwards, zero steady-state bubble at 2P - 1 in flight",
-    orders=_zb_h2,
+    orders=lambda pp, m, v, group: zb_h2_orders(pipeline_model_parallel_size=pp, num_microbatches=m),
     split_backward=True,
     path_share=PathShare.forward,
     in_flight_floor=InFlightFloor.staircase,

@@ -80,14 +80,11 @@ def zb_v_orders(*, pipeline_model_parallel_size: int, num_microbatches: int) -> 
     )
 
 
-def _orders(*, pipeline_model_parallel_size: int, num_microbatches: int, **_) -> tuple[tuple[Action, ...], ...]:
-    return zb_v_orders(pipeline_model_parallel_size=pipeline_model_parallel_size, num_microbatches=num_microbatches)
-
 
 SPEC = ScheduleSpec(
     name=ScheduleName.zb_v,
     summary="ZB-V (Qi et al. 2024, sec. 6): two chunks per rank in a V, split backward, 1F1B memory",
-    orders=_orders,
+    orders=lambda pp, m, v, group: zb_v_orders(pipeline_model_parallel_size=pp, num_microbatches=m),
     placement=Placement.v,
     split_backward=True,
     fixed_chunks=2,
