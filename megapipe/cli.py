@@ -200,20 +200,34 @@ def _run_once(command: str, module, cfg, prepared, overrides: list[str]) -> None
         handler.close()
 
 
+_FAILURES_ENV = "MEGAPIPE_SWEEP_FAILURES"
+
+
 def _task(command: str, module, multirun: bool):
     def task(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
+        directory = str(cfg.output.get("dir") or HydraConfig.get().runtime.output_dir)
         try:
-            prepared = module.prepare(cfg)
-            directory = cfg.output.get("dir") or HydraConfig.get().runtime.output_dir
-            module.run(prepared, directory=str(directory))
+            module.run(module.prepare(cfg), directory=directory)
         except MegapipeError as exc:
             code = _fail(command, str(exc))
             if not multirun:
                 sys.exit(code)
+            _record_failure(directory, " ".join(str(exc).split()))
 
     return task
+
+
+def _record_failure(directory: str, message: str) -> None:
+    """The failed job's reason in its directory, and a line for the parent process (jobs may run elsewhere)."""
+    from megapipe.io import FAILED_FILE, atomic_write_text
+
+    atomic_write_text(os.path.join(directory, FAILED_FILE), message + "\n")
+    ledger = os.environ.get(_FAILURES_ENV)
+    if ledger:
+        with open(ledger, "a", encoding="utf-8") as handle:
+            handle.write(f"{directory}\t{message}\n")
 
 
 def _run_hydra(command: str, module, overrides: list[str], flags: list[str], multirun: bool) -> int:
@@ -222,16 +236,27 @@ def _run_hydra(command: str, module, overrides: list[str], flags: list[str], mul
 
     from megapipe.config import conf_dir, register_configs
 
+    import tempfile
+
     register_configs()
     app = hydra.main(config_path=conf_dir(), config_name="config", version_base=None)(_task(command, module, multirun))
     saved = sys.argv
     sys.argv = [f"megapipe-{command}", *flags, *(["-m"] if multirun else []), f"hydra.job.name={command}", *overrides]
+    ledger = tempfile.NamedTemporaryFile("r", prefix="megapipe-sweep-", suffix=".txt", delete=False)  # noqa: SIM115
+    os.environ[_FAILURES_ENV] = ledger.name
     try:
         app()
     except SystemExit as exc:
         return int(exc.code or 0) if isinstance(exc.code, int) else 2
     finally:
         sys.argv = saved
+        os.environ.pop(_FAILURES_ENV, None)
+        failed = ledger.read().splitlines()
+        ledger.close()
+        os.unlink(ledger.name)
+    if failed:
+        return _fail(command, f"{len(failed)} sweep job(s) failed (each wrote failed.txt in its directory), "
+                              f"first: {failed[0].split(chr(9), 1)[-1]}")
     return 0
 
 

@@ -24,6 +24,7 @@ from megapipe.records import Profile
 
 __all__ = [
     "PLAN_FILE",
+    "FAILED_FILE",
     "atomic_write_bytes",
     "atomic_write_text",
     "dump_yaml",
@@ -36,6 +37,8 @@ __all__ = [
 
 PLAN_FILE = "plan.yaml"
 """The plan document's name inside a plan directory."""
+FAILED_FILE = "failed.txt"
+"""Written into a sweep job's directory when the job fails, with the one-line reason."""
 
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -118,16 +121,32 @@ def read_plan(path: str | os.PathLike) -> dict:
     return plan_document(_read_yaml(path, ConfigError, "plan", fix), source=path)
 
 
-PLAN_TEXT_FILES = (("megatron_args.txt", "megatron_args"), ("bridge_overrides.txt", "bridge_overrides"),
-                   ("nemo2_overrides.txt", "nemo2_overrides"), ("nemo1_overrides.txt", "nemo1_overrides"))
-"""The plan dir's argument files and the :class:`~megapipe.emit.Emitted` field each holds, one token per line."""
+PLAN_TEXT_FILES = (("megatron_args.txt", "megatron_command"), ("bridge_overrides.txt", "bridge_command"),
+                   ("nemo2_overrides.txt", "nemo2_command"), ("nemo1_overrides.txt", "nemo1_command"))
+"""The plan dir's argument files and the :class:`~megapipe.emit.Emitted` line each holds: one shell-quoted
+line, to paste after the command or to use as ``eval "torchrun ... pretrain_gpt.py $(cat megatron_args.txt)"``."""
+LAUNCH_FILE = "launch_megatron.sh"
+NODE_RANKS_FILE = "node_ranks.txt"
 
 
-def write_plan_dir(directory: str, *, document: dict, emitted, profile: Profile | None) -> None:
-    """plan.yaml, the argument files and (when the plan was costed with one) profile.yaml, each atomically."""
+def write_plan_dir(directory: str, *, document: dict, emitted=None, launch: str = "", node_ranks: str = "",
+                   profile: Profile | None = None) -> tuple[str, ...]:
+    """plan.yaml, and for a plan Megatron runs its argument files, launch script and (mixed clusters) the node
+    ranks' GPU types, and profile.yaml when the plan was costed with one; each atomically. Returns the files."""
     os.makedirs(directory, exist_ok=True)
-    atomic_write_text(os.path.join(directory, PLAN_FILE), dump_yaml(document))
-    for name, attribute in PLAN_TEXT_FILES:
-        atomic_write_text(os.path.join(directory, name), "\n".join(getattr(emitted, attribute)) + "\n")
+    written = [os.path.join(directory, PLAN_FILE)]
+    atomic_write_text(written[0], dump_yaml(document))
+    if emitted is not None:
+        for name, attribute in PLAN_TEXT_FILES:
+            written.append(os.path.join(directory, name))
+            atomic_write_text(written[-1], getattr(emitted, attribute) + "\n")
+        written.append(os.path.join(directory, LAUNCH_FILE))
+        atomic_write_text(written[-1], launch)
+        os.chmod(written[-1], 0o777 & ~_umask())
+    if node_ranks:
+        written.append(os.path.join(directory, NODE_RANKS_FILE))
+        atomic_write_text(written[-1], node_ranks)
     if profile is not None:
-        save_profile(profile, os.path.join(directory, "profile.yaml"))
+        written.append(os.path.join(directory, "profile.yaml"))
+        save_profile(profile, written[-1])
+    return tuple(written)

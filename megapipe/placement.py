@@ -27,6 +27,8 @@ from megapipe.errors import ConfigError
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ParallelSpec, StageSpec
 
 __all__ = [
+    "node_gpus",
+    "node_ranges",
     "positions_per_group",
     "placements",
     "default_gpus",
@@ -87,6 +89,28 @@ def gpus_by_name(cluster: ClusterSpec, names: Sequence[str]) -> tuple[GpuSpec, .
         raise ConfigError(f"placement names GPU types {unknown} that cluster {cluster.name!r} does not have "
                           f"({', '.join(sorted(known))}); use the cluster the plan was made for")
     return tuple(known[name] for name in names)
+
+
+def node_gpus(cluster: ClusterSpec, parallel: ParallelSpec, stage_gpus: Sequence[str]) -> tuple[str, ...]:
+    """The GPU type each node rank must have for the pipeline placement ``stage_gpus`` (one name per rank).
+
+    Megatron orders global ranks tp-cp-dp-pp, so node rank n (global ranks n*g .. n*g+g-1, g GPUs
+    per node) holds pipeline rank (n*g) // (TP*CP*DP). A launcher must start node rank n on a node
+    of this type.
+    """
+    stride = parallel.tensor_model_parallel_size * parallel.context_parallel_size * parallel.data_parallel_size
+    return tuple(stage_gpus[(node * cluster.gpus_per_node) // stride] for node in range(cluster.num_nodes))
+
+
+def node_ranges(names: Sequence[str]) -> str:
+    """``0-7 a100_80gb, 8-15 h100_80gb``: runs of node ranks with one GPU type."""
+    parts, start = [], 0
+    for index in range(1, len(names) + 1):
+        if index == len(names) or names[index] != names[start]:
+            span = f"{start}" if index - 1 == start else f"{start}-{index - 1}"
+            parts.append(f"{span} {names[start]}")
+            start = index
+    return ", ".join(parts)
 
 
 def datasheet_time_scale(gpu: GpuSpec, reference: GpuSpec) -> float:

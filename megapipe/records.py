@@ -99,6 +99,11 @@ class ModelSpec:
     """Per-head dimension; hidden_size // num_attention_heads when None."""
     mtp_num_layers: int = 0
     """Multi-token-prediction layers (layout letter m) placed before the loss."""
+    max_position_embeddings: int | None = None
+    """Positions the embedding table (learned_absolute) or RoPE covers; seq_length when None."""
+    rotary_base: float = 10000.0
+    """RoPE's theta (Megatron --rotary-base); Llama 3 uses 500,000."""
+    norm_epsilon: float = 1e-5
 
     @property
     def head_dim(self) -> int:
@@ -123,6 +128,14 @@ class GpuSpec:
     """GEMM size (FLOPs) at which achieved efficiency is half of matmul_efficiency."""
     bandwidth_efficiency: float = 0.8
     """Achieved fraction of hbm_gbytes_per_s for memory-bound kernels."""
+    architecture: str = ""
+    """ampere, hopper, blackwell, cdna3 or cpu: what the GPU's kernels and Megatron's startup checks depend on."""
+
+    @property
+    def before_blackwell(self) -> bool:
+        """Megatron-LM's ``validate_args`` needs CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP > 1 before Blackwell
+        (compute capability < 10); an unknown architecture is treated as older."""
+        return self.architecture not in ("blackwell", "cpu")
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -299,8 +312,9 @@ class Partition:
     vp-major order: layout stage index = vp * pipeline_model_parallel_size + pp_rank.
     """
 
-    layers_per_stage: tuple[int, ...]
-    """Profile entries per stage (embedding and loss count as entries)."""
+    entries_per_stage: tuple[int, ...]
+    """Profile entries per stage: the embedding, MTP layers and the loss count as entries, as decoders do
+    (``decoder_counts`` of the emitters gives the decoders alone)."""
     stage_kinds: tuple[tuple[LayerKind, ...], ...]
     """The entries' kinds per stage, in order; this is what the layout string spells."""
     stage_time_ms: tuple[float, ...]

@@ -103,7 +103,7 @@ def main() -> None:
           f"time_scale {min(s.time_scale for s in stages)}..{max(s.time_scale for s in stages)}, "
           f"memory {min(s.memory_bytes for s in stages) / GIB:.0f}..{max(s.memory_bytes for s in stages) / GIB:.0f} GiB")  # fmt: skip
     print(f"memory binds: bottleneck {part.bottleneck_ms:.4f} ms capped vs {free.bottleneck_ms:.4f} ms uncapped; "
-          f"layers per stage {min(part.layers_per_stage)}..{max(part.layers_per_stage)}")  # fmt: skip
+          f"layers per stage {min(part.entries_per_stage)}..{max(part.entries_per_stage)}")  # fmt: skip
     print(f"textbook O(L^2 P) DP: {yardstick * 1e3:.1f} ms (best of {args.dp_repeats}), bottleneck {reference:.6f} ms")
     print(f"megapipe solve():     {ours * 1e3:.2f} ms (best of {args.repeats}), bottleneck {part.bottleneck_ms:.6f} ms")
     print(f"same bottleneck: {agree}; speed-up {yardstick / ours:.0f}x")

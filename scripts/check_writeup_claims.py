@@ -175,7 +175,7 @@ def claim_hetero() -> Claim:
     result = plan("cluster=mixed_h100_a100")
     best = result.best
     counts = dict.fromkeys(("h100_80gb", "a100_80gb"), 0)
-    for gpu, count in zip(best.stage_gpus, best.layers_per_stage):
+    for gpu, count in zip(best.stage_gpus, best.entries_per_stage):
         counts[gpu] += count
     share = counts["h100_80gb"] / sum(counts.values())
     equal = fitting_equal("cluster=mixed_h100_a100")
@@ -190,7 +190,7 @@ def claim_hetero() -> Claim:
     return Claim(claim="mixed H100+A100: 60% layers on H100, +23% throughput, -18% cost",
                  source="\"assign 60 percent layers to H100 stages for 23 percent higher throughput and 18 percent "
                         "lower cost\"",
-                 figure=f"best {shape(best)}, layout {best.layers_per_stage} on {best.stage_gpus}: "
+                 figure=f"best {shape(best)}, layout {best.entries_per_stage} on {best.stage_gpus}: "
                         f"{100 * share:.1f}% of decoders on H100; vs the fastest fitting equal split ({shape(equal)}) "
                         f"{100 * speedup:+.1f}% throughput, {100 * cost:.1f}% lower $/token (vs the same config's "
                         f"equal split {100 * result.hetero_gain:+.1f}%{over}); decoder time A100/H100 = {ratio:.2f}",

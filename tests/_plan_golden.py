@@ -1,5 +1,4 @@
-"""Scenarios whose search output is kept in tests/golden/plan_*.json (recorded before the vectorised
-bound step replaced the per-candidate one) and the JSON they are compared as."""
+"""Scenarios whose search output is kept in tests/golden/plan_*.json, and the JSON they are compared as."""
 
 from __future__ import annotations
 
@@ -21,6 +20,9 @@ SCENARIOS = {
              "search.objective=cost"],
     "per_stage": ["model=llama3_70b", "cluster=h100_80gb", "train.seq_length=8192", "train.global_batch_size=256",
                   "search.per_stage_recompute=true"],
+    "what_if": ["model=llama3_70b", "cluster=h200_141gb", "cluster.num_nodes=8", "train.seq_length=32768",
+                "train.global_batch_size=64", "search.what_if_schedules=true"],
+    "writeup": ["+experiment=writeup_70b"],
 }
 
 
@@ -30,7 +32,7 @@ def scenario_summary(name: str) -> dict:
     setup = to_setup(cfg, search=True)
     fixed = setup.fixed
     result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
-                    options=setup.search)
+                    options=setup.search, use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
     summary = json.loads(json.dumps(json_summary(result)))
     summary["search"].pop("seconds")
     return summary

@@ -12,3 +12,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "nemo" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    """Commands run without output.dir write under ./outputs: keep that in the test's own directory."""
+    monkeypatch.chdir(tmp_path)

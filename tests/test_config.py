@@ -93,12 +93,18 @@ def test_hf_config_json(tmp_path):
     path = tmp_path / "Meta-Llama-3-8B" / "config.json"
     path.parent.mkdir()
     path.write_text(json.dumps(config))
-    model = to_setup(compose(["model=hf", f"model.config_path={path}"])).model
+    with pytest.raises(ConfigError, match="max_position_embeddings=8192 is the longest context"):
+        to_setup(compose(["model=hf", f"model.config_path={path}"]))
+    setup = to_setup(compose(["model=hf", f"model.config_path={path}", "train.seq_length=4096"]))
+    model = setup.model
+    assert setup.train.seq_length == 4096 and setup.seq_length_source == "train.seq_length"
+    assert model.max_position_embeddings == 8192
     assert (model.num_layers, model.hidden_size, model.num_query_groups, model.ffn_hidden_size) == (32, 4096, 8, 14336)
     assert model.activation is Activation.swiglu and model.untie_embeddings_and_output_weights
     assert model.vocab_size == 128256 and model.name == "Meta-Llama-3-8B"
     # A value on the command line wins over the file's.
-    assert to_setup(compose(["model=hf", f"model.config_path={path}", "model.num_layers=4"])).model.num_layers == 4
+    assert to_setup(compose(["model=hf", f"model.config_path={path}", "model.num_layers=4",
+                             "train.seq_length=4096"])).model.num_layers == 4
 
 
 def test_hf_without_path_or_with_bad_json(tmp_path):

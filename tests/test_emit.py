@@ -1,7 +1,9 @@
-"""Emitters: golden strings, megatron-core's own layout parser, Hydra's override parser."""
+"""Emitters: golden argument files, megatron-core's own layout parser, Hydra's override parser."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shlex
 
 import pytest
@@ -13,11 +15,13 @@ from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 from megapipe.emit import (
+    BridgeKeys,
     bridge_settings,
     decoder_counts,
     decoder_offsets,
     emit,
     equal_stage_kinds,
+    launch_script,
     is_equal_split,
     nemo1_settings,
     nemo2_settings,
@@ -26,17 +30,36 @@ from megapipe.emit import (
 )
 from megapipe.errors import ConfigError
 from megapipe.layout import format_layout, parse_layout
-from megapipe.records import LayerKind, ParallelSpec, Partition, Recompute, TrainSpec
+from megapipe.records import Activation, GpuSpec, LayerKind, ModelSpec, ParallelSpec, Partition, Recompute, TrainSpec
 
 E, T, M, L = LayerKind.embedding, LayerKind.decoder, LayerKind.mtp, LayerKind.loss
 PARSER = OverridesParser.create()
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+H100 = GpuSpec(name="h100_80gb", bf16_tflops=989.4, hbm_gbytes_per_s=3350, memory_gib=79.6, architecture="hopper")
+B200 = GpuSpec(name="b200_192gb", bf16_tflops=2250, hbm_gbytes_per_s=8000, memory_gib=178.8, architecture="blackwell")
+LLAMA3_70B = ModelSpec(name="llama3_70b", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                       ffn_hidden_size=28672, vocab_size=128256, seq_length=8192, rotary_base=500000.0)
+GPT3_175B = ModelSpec(name="gpt3_175b", num_layers=96, hidden_size=12288, num_attention_heads=96, num_query_groups=96,
+                      ffn_hidden_size=49152, vocab_size=51200, seq_length=2048, activation=Activation.gelu,
+                      untie_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
+SMALL = ModelSpec(name="small", num_layers=40, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
+                  ffn_hidden_size=4096, vocab_size=32000, seq_length=2048)
+
+
+def emit_for(partition: Partition, parallel: ParallelSpec, train: TrainSpec, *, model: ModelSpec | None = None,
+             gpu: GpuSpec = H100, bridge_keys: BridgeKeys = BridgeKeys.flat):
+    """emit() for a model whose layer counts are the partition's (SMALL's shape otherwise)."""
+    flat = [kind for kinds in partition.stage_kinds for kind in kinds]
+    model = model or dataclasses.replace(SMALL, num_layers=flat.count(T), mtp_num_layers=flat.count(M))
+    return emit(partition=partition, parallel=parallel, train=train, model=model,
+                gpus=(gpu,) * parallel.pipeline_model_parallel_size, bridge_keys=bridge_keys)
 
 
 def make_partition(stage_kinds, *, pp: int, vp: int = 1, schedule: str | None = None) -> Partition:
     stage_kinds = tuple(tuple(kinds) for kinds in stage_kinds)
     n = len(stage_kinds)
     return Partition(
-        layers_per_stage=tuple(len(kinds) for kinds in stage_kinds),
+        entries_per_stage=tuple(len(kinds) for kinds in stage_kinds),
         stage_kinds=stage_kinds,
         stage_time_ms=(1.0,) * n,
         stage_static_bytes=(0.0,) * n,
@@ -97,93 +120,137 @@ TP4_PP4 = ParallelSpec(tensor_model_parallel_size=4, pipeline_model_parallel_siz
 TRAIN_FULL = TrainSpec(micro_batch_size=1, global_batch_size=512, recompute_granularity=Recompute.full)
 
 
-def test_golden_megatron_uneven_full_recompute():
-    out = emit(partition=make_partition(UNEVEN, pp=4), parallel=TP4_PP4, train=TRAIN_FULL)
-    assert out.layout == "Et*9|t*11|t*11|t*9L"
-    assert out.megatron_command == (
-        "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 4 "
-        "--pipeline-model-parallel-layout 'Et*9|t*11|t*11|t*9L' --context-parallel-size 1 --sequence-parallel "
-        "--micro-batch-size 1 --global-batch-size 512 --recompute-granularity full --recompute-method uniform "
-        "--recompute-num-layers 1 --use-distributed-optimizer"
-    )
-    assert_shell_reads(out.megatron_command, out.megatron_args)
+GOLDEN_CASES = {
+    # Llama 3 70B on H100, TP4 PP8 uneven, full recompute, bf16: CUDA_DEVICE_MAX_CONNECTIONS is needed.
+    "llama3_70b_tp4pp8": dict(
+        stages=parse_layout("Et*9|t*10|t*10|t*10|t*10|t*10|t*11|t*10L"), model=LLAMA3_70B, gpu=H100,
+        parallel=ParallelSpec(tensor_model_parallel_size=4, pipeline_model_parallel_size=8, data_parallel_size=4,
+                              sequence_parallel=True),
+        train=TrainSpec(micro_batch_size=1, global_batch_size=256, seq_length=8192,
+                        recompute_granularity=Recompute.full)),
+    # GPT-3 175B on B200 (no env needed), interleaved with a microbatch group, selective, no distributed optimizer.
+    "gpt3_175b_tp8pp4vp2": dict(
+        stages=parse_layout("Et*11|t*12|t*12|t*12|t*12|t*12|t*12|t*13L"), model=GPT3_175B, gpu=B200,
+        parallel=ParallelSpec(tensor_model_parallel_size=8, pipeline_model_parallel_size=4,
+                              virtual_pipeline_model_parallel_size=2, data_parallel_size=8, sequence_parallel=True,
+                              use_distributed_optimizer=False, microbatch_group_size_per_vp_stage=8),
+        train=TrainSpec(micro_batch_size=2, global_batch_size=512, seq_length=2048,
+                        recompute_granularity=Recompute.selective, precision="fp16")),
+}
 
 
-def test_golden_bridge_and_nemo_interleaved_selective():
-    stages = parse_layout("Et*3|t*4|t*4|t*3|t*3|t*4|t*4|t*3L")
-    parallel = ParallelSpec(
-        tensor_model_parallel_size=2, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
-        context_parallel_size=2, use_distributed_optimizer=False, microbatch_group_size_per_vp_stage=4,
-    )  # fmt: skip
-    train = TrainSpec(micro_batch_size=2, global_batch_size=64, recompute_granularity=Recompute.selective)
-    out = emit(partition=make_partition(stages, pp=4, vp=2), parallel=parallel, train=train)
-    assert out.megatron_args == (
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
-        "--pipeline-model-parallel-layout", "Et*3|t*4|t*4|t*3|t*3|t*4|t*4|t*3L",
-        "--microbatch-group-size-per-virtual-pipeline-stage", "4", "--context-parallel-size", "2",
-        "--micro-batch-size", "2", "--global-batch-size", "64", "--recompute-granularity", "selective",
-    )  # fmt: skip
-    assert "--num-virtual-stages-per-pipeline-rank" not in out.megatron_args  # exclusive with a layout
-    assert out.bridge_overrides[:4] == (
-        "model.tensor_model_parallel_size=2",
-        "model.pipeline_model_parallel_size=4",
-        "model.virtual_pipeline_model_parallel_size=2",
-        "model.pipeline_model_parallel_layout='Et*3|t*4|t*4|t*3|t*3|t*4|t*4|t*3L'",
-    )
-    assert "train.global_batch_size=64" in out.bridge_overrides
-    assert "model.recompute_method=null" in out.bridge_overrides
-    assert "trainer.strategy.pipeline_model_parallel_layout='Et*3|t*4|t*4|t*3|t*3|t*4|t*4|t*3L'" in out.nemo2_overrides
-    assert "trainer.strategy.microbatch_group_size_per_vp_stage=4" in out.nemo2_overrides
-    assert out.nemo1_overrides == (
-        "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=4",
-        "model.virtual_pipeline_model_parallel_size=2", "++model.context_parallel_size=2",
-        "model.sequence_parallel=false", "model.micro_batch_size=2", "model.global_batch_size=64",
-        "model.activations_checkpoint_granularity=selective", "model.activations_checkpoint_method=null",
-        "model.activations_checkpoint_num_layers=null",
-    )  # fmt: skip
-    assert out.bridge_command.split(" ")[3] == "\"model.pipeline_model_parallel_layout='Et*3|t*4|t*4|t*3|t*3|t*4|t*4|t*3L'\""
-    for tokens, command in [(out.bridge_overrides, out.bridge_command), (out.nemo2_overrides, out.nemo2_command)]:
-        assert_shell_reads(command, tokens)
+def _golden_files(name: str) -> dict[str, str]:
+    case = GOLDEN_CASES[name]
+    parallel = case["parallel"]
+    part = make_partition(case["stages"], pp=parallel.pipeline_model_parallel_size,
+                          vp=parallel.virtual_pipeline_model_parallel_size)
+    flat = emit_for(part, parallel, case["train"], model=case["model"], gpu=case["gpu"])
+    nested = emit_for(part, parallel, case["train"], model=case["model"], gpu=case["gpu"], bridge_keys=BridgeKeys.nested)
+    return {
+        "megatron_args.txt": flat.megatron_command + "\n",
+        "bridge_overrides.txt": flat.bridge_command + "\n",
+        "bridge_overrides_nested.txt": nested.bridge_command + "\n",
+        "nemo2_overrides.txt": flat.nemo2_command + "\n",
+        "nemo1_overrides.txt": flat.nemo1_command + "\n",
+        "launch_megatron.sh": launch_script(flat, gpus_per_node=8, num_nodes=16, vocab_size=case["model"].vocab_size),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden_argument_files(name):
+    """The complete files of the plan dir, byte for byte (regenerate: MEGAPIPE_WRITE_GOLDEN=1)."""
+    for file_name, text in _golden_files(name).items():
+        path = os.path.join(GOLDEN, f"emit_{name}", file_name)
+        if os.environ.get("MEGAPIPE_WRITE_GOLDEN"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        with open(path, encoding="utf-8") as handle:
+            assert text == handle.read(), (name, file_name)
+
+
+def test_golden_files_parse_back():
+    """Each file reads back: the shell gives the argv tokens, Hydra gives typed values, bash accepts the script."""
+    import subprocess
+
+    for name in GOLDEN_CASES:
+        files = _golden_files(name)
+        tokens = shlex.split(files["megatron_args.txt"])
+        assert tokens[tokens.index("--num-layers") + 1] == str(GOLDEN_CASES[name]["model"].num_layers)
+        for file_name in ("bridge_overrides.txt", "bridge_overrides_nested.txt", "nemo2_overrides.txt",
+                          "nemo1_overrides.txt"):
+            PARSER.parse_overrides(shlex.split(files[file_name]))
+        assert subprocess.run(["bash", "-n"], input=files["launch_megatron.sh"], text=True).returncode == 0
+
+
+def test_precision_shape_and_environment():
+    case = GOLDEN_CASES["llama3_70b_tp4pp8"]
+    part = make_partition(case["stages"], pp=8)
+    out = emit_for(part, case["parallel"], case["train"], model=LLAMA3_70B, gpu=H100)
+    args = out.megatron_args
+    for flag in ("--bf16", "--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights",
+                 "--disable-bias-linear", "--overlap-grad-reduce", "--overlap-param-gather"):
+        assert flag in args
+    assert args[args.index("--rotary-base") + 1] == "500000"  # Megatron's parser takes an int
+    assert dict(out.megatron_env) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert "++env_vars.CUDA_DEVICE_MAX_CONNECTIONS='1'" in out.bridge_overrides
+    assert "mixed_precision=bf16_mixed" in out.bridge_overrides
+    assert "trainer.plugins.precision=bf16-mixed" in out.nemo2_overrides
+    blackwell = emit_for(part, case["parallel"], case["train"], model=LLAMA3_70B, gpu=B200)
+    assert blackwell.megatron_env == ()
+    fp32 = emit_for(part, case["parallel"], TrainSpec(global_batch_size=256, precision="fp32"), model=LLAMA3_70B)
+    assert not {"--bf16", "--fp16"} & set(fp32.megatron_args)
+    single = ParallelSpec(pipeline_model_parallel_size=8, data_parallel_size=16)
+    assert emit_for(part, single, case["train"], model=LLAMA3_70B).megatron_env == ()
+
+
+def test_bridge_nested_keys_keep_model_fields_outside_the_transformer():
+    case = GOLDEN_CASES["llama3_70b_tp4pp8"]
+    part = make_partition(case["stages"], pp=8)
+    out = emit_for(part, case["parallel"], case["train"], model=LLAMA3_70B, bridge_keys=BridgeKeys.nested)
+    keys = [line.split("=", 1)[0] for line in out.bridge_overrides]
+    assert "model.transformer.num_layers" in keys and "model.transformer.pipeline_model_parallel_layout" in keys
+    assert "model.seq_length" in keys and "model.vocab_size" in keys and "model.rotary_base" in keys
+    assert not any(key.startswith("model.transformer.") and key.split(".")[-1] in ("seq_length", "vocab_size")
+                   for key in keys)
+
+
+def test_what_if_schedules_are_not_emitted():
+    stages = parse_layout("Et*2|t*2|t*2|t*2L")
+    with pytest.raises(ConfigError, match="what-if: megatron-core has no zb_h1"):
+        emit_for(make_partition(stages, pp=4, schedule="zb_h1"), ParallelSpec(pipeline_model_parallel_size=4),
+                 TrainSpec())
 
 
 def test_recompute_none_is_omitted_for_megatron_and_null_elsewhere():
-    out = emit(partition=make_partition(UNEVEN, pp=4), parallel=TP4_PP4, train=TrainSpec())
+    out = emit_for(make_partition(UNEVEN, pp=4), TP4_PP4, TrainSpec())
     assert not any(arg.startswith("--recompute") for arg in out.megatron_args)
     assert "model.recompute_granularity=null" in out.bridge_overrides
     assert "model.activations_checkpoint_granularity=null" in out.nemo1_overrides
 
 
 def test_nemo1_warns_on_uneven_split_only():
-    uneven = emit(partition=make_partition(UNEVEN, pp=4), parallel=TP4_PP4, train=TrainSpec())
+    uneven = emit_for(make_partition(UNEVEN, pp=4), TP4_PP4, TrainSpec())
     (warning,) = uneven.warnings
     assert "cannot be expressed" in warning and "9/11/11/9" in warning and "10 decoder layers" in warning
     even = parse_layout("Et*10|t*10|t*10|t*10L")
-    assert emit(partition=make_partition(even, pp=4), parallel=TP4_PP4, train=TrainSpec()).warnings == ()
+    assert emit_for(make_partition(even, pp=4), TP4_PP4, TrainSpec()).warnings == ()
     odd = parse_layout("Et*10|t*10|t*10|t*11L")
-    (warning,) = emit(partition=make_partition(odd, pp=4), parallel=TP4_PP4, train=TrainSpec()).warnings
+    (warning,) = emit_for(make_partition(odd, pp=4), TP4_PP4, TrainSpec()).warnings
     assert "will reject" in warning
 
 
 def test_sequence_parallel_without_tensor_parallel_is_dropped_with_warning():
     parallel = ParallelSpec(pipeline_model_parallel_size=4, sequence_parallel=True)
-    out = emit(partition=make_partition(parse_layout("Et*2|t*2|t*2|t*2L"), pp=4), parallel=parallel, train=TrainSpec())
+    out = emit_for(make_partition(parse_layout("Et*2|t*2|t*2|t*2L"), pp=4), parallel, TrainSpec())
     assert "--sequence-parallel" not in out.megatron_args
     assert any("sequence_parallel" in warning for warning in out.warnings)
-
-
-@pytest.mark.parametrize(("schedule", "vp", "count"), [("1f1b", 1, 0), ("zb_h1", 1, 1), ("gpipe", 1, 1), ("zb_v", 2, 2)])
-def test_schedules_megatron_cannot_run_are_warned(schedule, vp, count):
-    stages = parse_layout("Et*2|t*2|t*2|t*2L" if vp == 1 else "Et|t|t|t|t|t|t|tL")
-    parallel = ParallelSpec(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=vp)
-    out = emit(partition=make_partition(stages, pp=4, vp=vp, schedule=schedule), parallel=parallel, train=TrainSpec())
-    schedule_warnings = [w for w in out.warnings if "schedule" in w or "V-shaped" in w]
-    assert len(schedule_warnings) == count
 
 
 def test_as_dict_is_json_ready():
     import json
 
-    out = emit(partition=make_partition(UNEVEN, pp=4), parallel=TP4_PP4, train=TRAIN_FULL)
+    out = emit_for(make_partition(UNEVEN, pp=4), TP4_PP4, TRAIN_FULL)
     data = json.loads(json.dumps(out.as_dict()))
     assert data["layout"] == out.layout and data["megatron_args"] == list(out.megatron_args)
     assert shlex.split(data["bridge_command"]) == data["bridge_overrides"]
@@ -205,14 +272,14 @@ def test_as_dict_is_json_ready():
 )
 def test_invalid_layouts_raise_config_error(layout, pp, vp, match):
     with pytest.raises(ConfigError, match=match):
-        emit(partition=make_partition(parse_layout(layout), pp=pp, vp=vp),
+        emit_for(partition=make_partition(parse_layout(layout), pp=pp, vp=vp),
              parallel=ParallelSpec(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp),
              train=TrainSpec())  # fmt: skip
 
 
 def test_partition_for_other_sizes_raises():
     with pytest.raises(ConfigError, match="re-partition"):
-        emit(partition=make_partition(UNEVEN, pp=4), parallel=ParallelSpec(pipeline_model_parallel_size=2),
+        emit_for(partition=make_partition(UNEVEN, pp=4), parallel=ParallelSpec(pipeline_model_parallel_size=2),
              train=TrainSpec())  # fmt: skip
 
 
@@ -220,7 +287,7 @@ def test_zero_decoder_stages_with_embedding_or_loss_are_emitted(vp_world_size):
     """E alone and L alone are valid megatron-core stages; only a stage with nothing is refused."""
     for layout in ("E|t*4|t*4L", "Et*4|t*4|L"):
         stages = parse_layout(layout)
-        out = emit(partition=make_partition(stages, pp=3), parallel=ParallelSpec(pipeline_model_parallel_size=3),
+        out = emit_for(partition=make_partition(stages, pp=3), parallel=ParallelSpec(pipeline_model_parallel_size=3),
                    train=TrainSpec())  # fmt: skip
         assert_megatron_reads(out.layout, stages, pp=3, vp=1)
 
@@ -279,15 +346,20 @@ def test_random_partitions_round_trip(vp_world_size, case, recompute, tp, sequen
         sequence_parallel=sequence_parallel, use_distributed_optimizer=distributed,
     )  # fmt: skip
     train = TrainSpec(micro_batch_size=2, global_batch_size=8 * pp, recompute_granularity=recompute)
-    out = emit(partition=make_partition(stages, pp=pp, vp=vp), parallel=parallel, train=train)
+    out = emit_for(make_partition(stages, pp=pp, vp=vp), parallel, train)
     assert parse_layout(out.layout) == stages
     assert_megatron_reads(out.layout, stages, pp=pp, vp=vp)
     args = out.megatron_args
     assert args[args.index("--pipeline-model-parallel-layout") + 1] == out.layout
     assert_shell_reads(out.megatron_command, args)
-    assert_hydra_reads(out.bridge_overrides, bridge_settings(layout=out.layout, parallel=parallel, train=train))
-    assert_hydra_reads(out.nemo2_overrides, nemo2_settings(layout=out.layout, parallel=parallel, train=train))
-    assert_hydra_reads(out.nemo1_overrides, nemo1_settings(parallel=parallel, train=train))
+    env = dict(out.megatron_env)
+    flat = [kind for kinds in stages for kind in kinds]
+    model = dataclasses.replace(SMALL, num_layers=flat.count(T), mtp_num_layers=flat.count(M))
+    assert_hydra_reads(out.bridge_overrides, bridge_settings(layout=out.layout, parallel=parallel, train=train,
+                                                             model=model, env=env))
+    assert_hydra_reads(out.nemo2_overrides, nemo2_settings(layout=out.layout, parallel=parallel, train=train,
+                                                           model=model))
+    assert_hydra_reads(out.nemo1_overrides, nemo1_settings(parallel=parallel, train=train, model=model))
     for tokens in (out.bridge_overrides, out.nemo2_overrides, out.nemo1_overrides):
         assert_shell_reads(shell_join(tokens), tokens)
     uneven = not is_equal_split(stages, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)

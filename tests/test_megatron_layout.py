@@ -8,7 +8,7 @@ from _mcore_build import build_gpt_chunks, describe_chunks, destroy_parallel, in
 from _mcore_build import run_schedule, spawn_ranks
 from megapipe.emit import decoder_offsets, emit, rank_of_stage
 from megapipe.layout import format_layout, parse_layout
-from megapipe.records import LayerKind, ParallelSpec, Partition, TrainSpec
+from megapipe.records import GpuSpec, LayerKind, ModelSpec, ParallelSpec, Partition, TrainSpec
 
 pytestmark = pytest.mark.engine
 
@@ -21,13 +21,18 @@ def emitted_layout(layout: str, *, pp: int, vp: int = 1) -> str:
     stages = parse_layout(layout)
     n = len(stages)
     partition = Partition(
-        layers_per_stage=tuple(map(len, stages)), stage_kinds=stages, stage_time_ms=(1.0,) * n,
+        entries_per_stage=tuple(map(len, stages)), stage_kinds=stages, stage_time_ms=(1.0,) * n,
         stage_static_bytes=(0.0,) * n, stage_act_bytes=(0.0,) * n, stage_in_flight=(1,) * n,
         stage_memory_bytes=(0.0,) * n, layout=format_layout(stages), pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp, schedule="interleaved_1f1b" if vp > 1 else "1f1b",
     )  # fmt: skip
     parallel = ParallelSpec(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
-    return emit(partition=partition, parallel=parallel, train=TrainSpec()).layout
+    flat = [kind for kinds in stages for kind in kinds]
+    model = ModelSpec(name="tiny", num_layers=flat.count(LayerKind.decoder), hidden_size=64, num_attention_heads=4,
+                      num_query_groups=4, ffn_hidden_size=256, vocab_size=512, seq_length=32,
+                      mtp_num_layers=flat.count(LayerKind.mtp))
+    cpu = GpuSpec(name="cpu", bf16_tflops=0.1, hbm_gbytes_per_s=50, memory_gib=8, architecture="cpu")
+    return emit(partition=partition, parallel=parallel, train=TrainSpec(), model=model, gpus=(cpu,) * pp).layout
 
 
 def planned(layout: str, *, pp: int) -> dict[int, list[dict]]:

@@ -81,7 +81,7 @@ def _plan() -> dict:
     stage = {"time_ms": 10.0, "total_bytes": 100.0}
     return {"format": "megapipe-plan/1", "topology": {"gpus_per_node": 8},
             "best": {"step_time_s": 2.0, "bubble_fraction": 0.25, "stages": [stage, {**stage, "total_bytes": 200.0}],
-                     "layout": "Et|tL", "layers_per_stage": [1, 1], "schedule": "1f1b",
+                     "layout": "Et|tL", "decoder_layers_per_stage": [1, 1], "schedule": "1f1b",
                      "parallel": {"pipeline_model_parallel_size": 2}, "train": {"num_microbatches": 4}}}
 
 

@@ -31,7 +31,7 @@ def _plan(step_time_s: float) -> dict:
                      "inter_node": {"kind": "loopback", "bandwidth_gbytes_per_s": 2.0, "latency_us": 50.0},
                      "gpus_per_node": 2},
         "best": {"step_time_s": step_time_s, "bubble_fraction": 0.2, "stages": [stage, stage],
-                 "layout": "Et*2|t*2L", "layers_per_stage": [2, 2], "schedule": "1f1b",
+                 "layout": "Et*2|t*2L", "decoder_layers_per_stage": [2, 2], "schedule": "1f1b",
                  "parallel": {"pipeline_model_parallel_size": 2}, "train": {"num_microbatches": MICROBATCHES}},
     }
 

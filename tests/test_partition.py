@@ -85,14 +85,14 @@ def instances(draw, max_entries=9, max_stages=4, min_stages=1):
 
 
 def _check_constraints(part, layers, stages, caps):
-    assert sum(part.layers_per_stage) == len(layers) and min(part.layers_per_stage) >= 1
+    assert sum(part.entries_per_stage) == len(layers) and min(part.entries_per_stage) >= 1
     flat = [kind for kinds in part.stage_kinds for kind in kinds]
     assert flat == [e.kind for e in layers]
     assert parse_layout(part.layout) == part.stage_kinds
     if layers[0].kind == LayerKind.embedding:
         assert part.stage_kinds[0][0] == LayerKind.embedding
     start = 0
-    for chunk, count in enumerate(part.layers_per_stage):
+    for chunk, count in enumerate(part.entries_per_stage):
         entries = layers[start : start + count]
         rank = part.stage_to_rank[chunk]
         assert part.stage_time_ms[chunk] == stages[rank].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in entries)
@@ -175,14 +175,14 @@ def test_share_rule_never_rejects_a_uniform_split_that_fits_the_rank():
     per_rank = [sum(2 * (2 * UNIT + k * UNIT) for k in in_flight[rank::2]) for rank in range(2)]
     stages = [StageSpec(memory_bytes=float(cap)) for cap in per_rank]
     part = solve(layers, stages, num_microbatches=4, schedule="interleaved_1f1b", virtual_pipeline_model_parallel_size=2)
-    assert part.layers_per_stage == (2, 2, 2, 2)
+    assert part.entries_per_stage == (2, 2, 2, 2)
     assert part.rank_memory_bytes == pytest.approx(per_rank)
 
 
 def test_heterogeneous_stages_get_work_in_proportion_to_speed():
     layers = [_layer(LayerKind.decoder, 1.0, 2.0, 0.0, 0.0) for _ in range(12)]
     part = solve(layers, [StageSpec(time_scale=1.0), StageSpec(time_scale=2.0)], num_microbatches=4)
-    assert part.layers_per_stage == (8, 4) and part.bottleneck_ms == 24.0
+    assert part.entries_per_stage == (8, 4) and part.bottleneck_ms == 24.0
 
 
 def test_memory_cap_moves_layers_off_the_first_stage():
@@ -190,8 +190,8 @@ def test_memory_cap_moves_layers_off_the_first_stage():
     layers = [_layer(LayerKind.decoder, 1.0, 2.0, UNIT, UNIT) for _ in range(16)]
     free = solve(layers, [StageSpec()] * 4, num_microbatches=8)
     capped = solve(layers, [StageSpec(memory_bytes=16.0 * UNIT)] * 4, num_microbatches=8)
-    assert free.layers_per_stage == (4, 4, 4, 4) and free.bottleneck_ms == 12.0
-    assert capped.layers_per_stage[0] <= 3 and capped.bottleneck_ms == 15.0  # 3 + 4 + 4 + 4 < 16 layers
+    assert free.entries_per_stage == (4, 4, 4, 4) and free.bottleneck_ms == 12.0
+    assert capped.entries_per_stage[0] <= 3 and capped.bottleneck_ms == 15.0  # 3 + 4 + 4 + 4 < 16 layers
     assert _brute(layers, [1.0] * 4, [16.0 * UNIT] * 4, (4, 3, 2, 1))[0] == 15.0
 
 
@@ -289,7 +289,7 @@ def test_parameters_examples():
     assert parameters_bounds([4, 1, 1, 1, 1, 1], num_stages=3) == (0, 1, 4, 6)
     layers = [_layer(LayerKind.decoder, 1.0, 1.0, 0.0, 0.0, params=p) for p in (5, 1, 1, 5)]
     part = solve(layers, [StageSpec()] * 2, num_microbatches=2, method="parameters")
-    assert part.layers_per_stage == (2, 2) and part.method == "parameters"
+    assert part.entries_per_stage == (2, 2) and part.method == "parameters"
 
 
 def _installed_deepspeed_functions():
@@ -322,12 +322,12 @@ def test_baseline_over_memory_is_flagged_or_raised():
     layers = [_layer(LayerKind.decoder, 1.0, 2.0, 4.0 * GIB, 1.0 * GIB) for _ in range(9)]
     stages = [StageSpec(memory_bytes=25.0 * GIB)] * 2
     flagged = solve(layers, stages, num_microbatches=4, method="equal", check_memory=False)
-    assert flagged.layers_per_stage == (5, 4) and not flagged.fits_memory
+    assert flagged.entries_per_stage == (5, 4) and not flagged.fits_memory
     assert flagged.rank_memory_bytes == (30.0 * GIB, 20.0 * GIB)
     with pytest.raises(InfeasibleError, match=r"^equal split: stage 0 needs at least 30\.0 GiB but has 25\.0 GiB "):
         solve(layers, stages, num_microbatches=4, method="equal")
     fitted = solve(layers, stages, num_microbatches=4)
-    assert fitted.fits_memory and fitted.layers_per_stage == (4, 5)
+    assert fitted.fits_memory and fitted.entries_per_stage == (4, 5)
 
 
 def test_infeasible_memory_names_tightest_stage():
@@ -336,7 +336,7 @@ def test_infeasible_memory_names_tightest_stage():
     stages = [StageSpec(memory_bytes=72.0 * GIB)] * 2
     # Stage 0 holds 2 microbatches: E alone needs 42 GiB, E + t needs 56, E + 2t needs 70, E + 3t needs 84.
     # Stage 1 holds 1: 4t = 48, 3t = 36. Best split E+2t | 4t fits, so shrink memory until it does not.
-    assert solve(layers, stages, num_microbatches=4).layers_per_stage == (3, 4)
+    assert solve(layers, stages, num_microbatches=4).entries_per_stage == (3, 4)
     tight = [StageSpec(memory_bytes=45.0 * GIB)] * 2
     # Smallest worst overage: E+t | 5t -> 56 - 45 = 11 and 60 - 45 = 15; E+2t | 4t -> 25 and 3; E | 6t -> 72 - 45 = 27.
     with pytest.raises(InfeasibleError, match=r"^stage 1 needs at least 60\.0 GiB but has 45\.0 GiB \(over by 15\.0 GiB\): add pipeline stages, recompute, or a smaller micro-batch$"):
@@ -362,10 +362,10 @@ def test_bad_arguments():
 def test_evaluate_reports_a_given_split():
     layers = _megatron_profile(6)
     stages = [StageSpec(memory_bytes=1.0)] * 2
-    part = given_split(layers, stages, layers_per_stage=(4, 4), num_microbatches=4)
+    part = given_split(layers, stages, entries_per_stage=(4, 4), num_microbatches=4)
     assert part.layout == "Et*3|t*3L" and part.stage_time_ms == (11.0, 11.0) and part.method == "given"
     with pytest.raises(ConfigError, match="must sum to the profile's 8 entries"):
-        given_split(layers, stages, layers_per_stage=(4, 3), num_microbatches=4)
+        given_split(layers, stages, entries_per_stage=(4, 3), num_microbatches=4)
 
 
 def test_entry_too_big_for_a_small_middle_stage_skips_it():
@@ -376,7 +376,7 @@ def test_entry_too_big_for_a_small_middle_stage_skips_it():
     part = solve(layers, stages, num_microbatches=1)
     best, bounds = _brute(layers, [1.0] * 3, [s.memory_bytes for s in stages], (1, 1, 1))
     assert part.bottleneck_ms == best == 6.0
-    first, second, _ = part.layers_per_stage
+    first, second, _ = part.entries_per_stage
     assert not first <= 3 < first + second
 
 
@@ -448,7 +448,7 @@ def test_tied_bottleneck_moves_layers_off_the_fullest_stage():
     # 3, 2, 1 microbatches, so a layer needs 4, 3, 2 units; (2, 2, 3) peaks at 8 units, (3, 3, 1) at 12.
     layers = [_layer(LayerKind.decoder, 1.0, 2.0, UNIT, UNIT) for _ in range(7)]
     part = solve(layers, [StageSpec(memory_bytes=64.0 * UNIT)] * 3, num_microbatches=8)
-    assert part.bottleneck_ms == 9.0 and part.layers_per_stage == (2, 2, 3)
+    assert part.bottleneck_ms == 9.0 and part.entries_per_stage == (2, 2, 3)
     assert max(part.stage_memory_bytes) == 8 * UNIT
     # Without a finite cap, and with virtual stages, the min-max split is kept as found (latest cuts last).
-    assert solve(layers, [StageSpec()] * 3, num_microbatches=8).layers_per_stage == (3, 3, 1)
+    assert solve(layers, [StageSpec()] * 3, num_microbatches=8).entries_per_stage == (3, 3, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 
 import yaml
 
@@ -11,7 +12,7 @@ from megapipe.cli import main
 
 TINY = ["model=tiny_gpt", "cluster=cpu_gloo", "train.global_batch_size=8"]
 FILES = ("plan.yaml", "megatron_args.txt", "bridge_overrides.txt", "nemo2_overrides.txt", "nemo1_overrides.txt",
-         "profile.yaml", "gantt.png", "memory.png")
+         "launch_megatron.sh", "profile.yaml", "gantt.png", "memory.png")
 
 
 def test_plan_json_and_plan_dir(tmp_path, capsys):
@@ -21,7 +22,7 @@ def test_plan_json_and_plan_dir(tmp_path, capsys):
     assert set(summary) >= {"plans", "baseline", "search"}
     assert set(summary["search"]) >= {"evaluated", "pruned", "seconds"}
     best = summary["plans"][0]
-    for key in ("parallel", "train", "schedule", "layers_per_stage", "layout", "step_time_s", "tokens_per_s_per_gpu",
+    for key in ("parallel", "train", "schedule", "decoder_layers_per_stage", "layout", "step_time_s", "tokens_per_s_per_gpu",
                 "mfu", "bubble_fraction", "stages", "memory_cv", "cost_per_million_tokens", "warnings"):
         assert key in best
     assert set(best["stages"][0]) >= {"time_ms", "static_bytes", "activation_bytes", "total_bytes"}
@@ -33,8 +34,12 @@ def test_plan_json_and_plan_dir(tmp_path, capsys):
     assert doc["format"] == "megapipe-plan/1"
     assert doc["topology"]["intra_node"]["kind"] == "loopback"
     assert doc["best"]["layout"] == best["layout"]
-    args = (out / "megatron_args.txt").read_text()
-    assert f"--pipeline-model-parallel-size\n{best['parallel']['pipeline_model_parallel_size']}" in args
+    args = shlex.split((out / "megatron_args.txt").read_text())
+    assert args[args.index("--pipeline-model-parallel-size") + 1] == str(best["parallel"]["pipeline_model_parallel_size"])
+    assert args == summary["emitted"]["megatron_args"] and "--bf16" in args and "--num-layers" in args
+    assert summary["plan_dir"] == str(out) and str(out / "megatron_args.txt") in summary["files"]
+    assert summary["seq_length_source"].endswith("default seq_length")
+    assert summary["launch"].endswith(summary["emitted"]["megatron_command"])
 
 
 def test_plan_yaml_is_byte_identical(tmp_path, capsys):
@@ -54,20 +59,19 @@ def test_plan_table_output(tmp_path, capsys):
 def test_plan_table_is_readable_when_piped(monkeypatch, capsys):
     """Without a terminal or COLUMNS, rich would fold the columns into 80; the table keeps whole headers."""
     from megapipe.commands.plan import print_plans
-    from megapipe.config import to_setup
-    from megapipe.config import compose
+    from megapipe.config import compose, to_setup
     from megapipe.plan.search import search
 
     monkeypatch.delenv("COLUMNS", raising=False)
     cfg = compose(TINY)
     setup = to_setup(cfg, search=True)
-    fixed = setup.fixed
-    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
+    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=setup.fixed,
                     options=setup.search)
-    print_plans(result, directory="plan-dir")
+    print_plans(result, setup=setup, directory="plan-dir")
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if "tok/s/GPU" in line)
     assert all(name in header for name in ("TP/PP/DP/CP/VP", "schedule", "recompute", "peak GiB", "$/1M tok"))
+    assert max(len(line) for line in lines if "│" in line or "┃" in line) <= 120
     assert any("equal split" in line and "%" in line for line in lines)
 
 
@@ -96,45 +100,53 @@ def test_submitit_launcher_composes():
     assert os.path.isdir(conf_dir())
 
 
-def test_plan_megatron_schedules_only(tmp_path, capsys):
-    """search.megatron_schedules_only keeps the schedules megatron-core runs; a pinned other schedule is refused."""
-    setting = "search.megatron_schedules_only=true"
-    assert main(["plan", *TINY, setting, f"output.dir={tmp_path}", "output.format=json",
-                 "output.pictures=false"]) == 0
+def test_plan_ranks_what_megatron_runs_and_labels_what_ifs(tmp_path, capsys):
+    """By default only 1f1b and interleaved_1f1b rank; search.what_if_schedules=true adds the others as what-ifs,
+    and the files are written for the best plan megatron-core runs."""
+    assert main(["plan", *TINY, f"output.dir={tmp_path / 'a'}", "output.format=json", "output.pictures=false"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {plan["schedule"] for plan in summary["plans"]} <= {"1f1b", "interleaved_1f1b"}
-    assert main(["plan", *TINY, setting, "schedule=zb_h1", f"output.dir={tmp_path}"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "megatron_schedules_only" in err[0]
+    assert not any(plan["what_if"] for plan in summary["plans"])
+    what_if = ["search.what_if_schedules=true", "parallel.pipeline_model_parallel_size=2"]
+    assert main(["plan", *TINY, *what_if, f"output.dir={tmp_path / 'b'}", "output.format=json",
+                 "output.pictures=false"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not summary["best"]["what_if"] and summary["emitted"] is not None
+    doc = yaml.safe_load((tmp_path / "b" / "plan.yaml").read_text())
+    assert doc["best"]["schedule"] in ("1f1b", "interleaved_1f1b") and doc["emitted"]["layout"] == doc["best"]["layout"]
 
 
 def test_plan_table_shows_megatron_schedule_warnings(tmp_path, capsys):
+    """A pinned schedule megatron-core lacks is planned as a what-if: labelled, and no argument files are written."""
     assert main(["plan", *TINY, "schedule=zb_h1", "parallel.pipeline_model_parallel_size=2", f"output.dir={tmp_path}",
                  "output.pictures=false"]) == 0
     text = capsys.readouterr().out
-    assert "warning: megatron-core has no zb_h1 schedule" in text
+    assert "warning: what-if: megatron-core has no zb_h1 schedule" in text and "zb_h1 (what-if)" in text
+    assert "no Megatron arguments were written" in text
+    assert not (tmp_path / "megatron_args.txt").exists() and not (tmp_path / "launch_megatron.sh").exists()
     doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert doc["emitted"] is None and doc["best"]["what_if"]
     assert all(any("no zb_h1 schedule" in w for w in plan["warnings"]) for plan in doc["plans"])
 
 
-def test_default_output_explains_the_writeups_configuration(capsys):
-    """The default scenario prints the write-ups' TP=4 PP=8 DP=4 next to the best plan, with where the time went."""
+def test_writeups_experiment_explains_their_configuration(capsys):
+    """experiment=writeup_70b prints the write-ups' TP=4 PP=8 DP=4 next to the best plan, with where the time went;
+    the defaults carry no such row (it is the write-ups' experiment, not every model's)."""
     from megapipe.commands.plan import compare_line
-    from megapipe.config import to_setup
-    from megapipe.config import compose
+    from megapipe.config import compose, to_setup
     from megapipe.plan.search import search
 
-    cfg = compose(["output.pictures=false"])
+    assert to_setup(compose([]), search=True).search.reference is None
+    cfg = compose(["+experiment=writeup_70b", "output.pictures=false"])
     setup = to_setup(cfg, search=True)
-    fixed = setup.fixed
-    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
+    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=setup.fixed,
                     options=setup.search, use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
     ref, best = result.reference, result.best
     assert (ref.parallel.tensor_model_parallel_size, ref.parallel.pipeline_model_parallel_size,
             ref.parallel.data_parallel_size) == (4, 8, 4)
     assert best.tokens_per_s >= ref.tokens_per_s
-    line = compare_line(best, ref)
-    assert f"megapipe predicts {ref.tokens_per_s_per_gpu:,.0f}" in line
+    line = compare_line(best, ref, setup.search.reference)
+    assert "reported 850 tok/s/GPU" in line and f"megapipe predicts {ref.tokens_per_s_per_gpu:,.0f}" in line
     assert f"{best.tokens_per_s / ref.tokens_per_s - 1:+.1%}" in line
     assert f"bubble {ref.bubble_fraction:.1%} -> {best.bubble_fraction:.1%}" in line
 
@@ -147,4 +159,4 @@ def test_equal_split_that_does_not_fit_is_flagged(tmp_path, capsys):
     assert all(plan["feasible"] for plan in summary["plans"])
     assert main(["plan", f"output.dir={tmp_path / 't'}", "output.pictures=false"]) == 0
     text = capsys.readouterr().out
-    assert "equal split (no fit)" in text and "does not fit memory" in text
+    assert "73.6!" in text and "! does not fit memory" in text and "the equal split does not fit memory" in text

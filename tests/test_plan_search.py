@@ -29,7 +29,7 @@ def cluster(num_nodes: int = 2, gpus_per_node: int = 4, gpu: GpuSpec = H100, gro
                        inter_node=IB, node_groups=groups or (NodeGroup(gpu=gpu, num_nodes=num_nodes),))
 
 
-OPTIONS = SearchOptions(micro_batch_sizes=(1, 2, 4), max_virtual_pipeline_model_parallel_size=3)
+OPTIONS = SearchOptions(micro_batch_sizes=(1, 2, 4), max_virtual_pipeline_model_parallel_size=3, what_if_schedules=True)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_plan_metrics_are_consistent():
     assert 0 < best.mfu < 1
     assert best.cost_per_million_tokens == pytest.approx(1e6 / best.tokens_per_s * 8 * 2.0 / 3600)
     assert best.parallel.world_size == 8
-    assert sum(best.layers_per_stage) == SMALL.num_layers
+    assert sum(best.decoder_layers_per_stage) == SMALL.num_layers
     for stage in best.stages:
         assert stage.total_bytes == pytest.approx(stage.static_bytes + stage.activation_bytes)
         assert stage.total_bytes <= H100.usable_memory_bytes
@@ -148,23 +148,36 @@ def test_mixed_cluster_places_gpu_types_and_beats_equal_split():
     best = result.best
     assert sorted(best.stage_gpus) == ["a100", "h100"]
     assert result.hetero_gain is not None and result.hetero_gain > 0.05
-    counts = dict(zip(best.stage_gpus, best.layers_per_stage))
+    counts = dict(zip(best.stage_gpus, best.decoder_layers_per_stage))
     assert counts["h100"] > counts["a100"]  # the faster GPU gets more layers
     par = best.parallel
     assert len(placements(mixed, par)) == 2
     assert placements(mixed, dataclasses.replace(par, pipeline_model_parallel_size=1, data_parallel_size=2)) == ()
 
 
-def test_megatron_schedules_only_equals_brute_force_over_those_schedules(brute):
+def test_default_search_ranks_what_megatron_runs_equal_to_brute_force(brute):
+    """Without search.what_if_schedules only 1f1b and interleaved_1f1b are ranked, exactly as brute force ranks them."""
     plans, _ = brute
     runnable = [plan for plan in plans if plan.schedule in ("1f1b", "interleaved_1f1b")]
     expected = rank_plans(runnable, objective="throughput", top_k=5)
-    options = dataclasses.replace(OPTIONS, megatron_schedules_only=True)
+    options = dataclasses.replace(OPTIONS, what_if_schedules=False)
     result = search(model=SMALL, cluster=cluster(), train=TRAIN, options=options)
     assert [p.key for p in result.plans] == [p.key for p in expected]
-    assert not any("megatron-core has no" in w for plan in result.plans for w in plan.warnings)
-    with pytest.raises(ConfigError, match="megatron_schedules_only"):
-        search(model=SMALL, cluster=cluster(), train=TRAIN, options=options, fixed={"schedule": "zb_h1"})
+    assert not any(plan.what_if for plan in result.plans) and result.best is result.plans[0]
+    pinned = search(model=SMALL, cluster=cluster(), train=TRAIN, options=options,
+                    fixed={"schedule": "zb_h1", "pipeline_model_parallel_size": 2})
+    assert all(plan.what_if for plan in pinned.plans)
+
+
+def test_what_if_plans_never_become_the_plan_to_run(brute):
+    """With what-if schedules searched, the plan to run is still the best one megatron-core runs."""
+    plans, _ = brute
+    pipelined = [plan for plan in plans if plan.parallel.pipeline_model_parallel_size == 4]
+    runnable = rank_plans([plan for plan in pipelined if not plan.what_if], objective="throughput", top_k=1)[0]
+    result = search(model=SMALL, cluster=cluster(), train=TRAIN, fixed={"pipeline_model_parallel_size": 4},
+                    options=dataclasses.replace(OPTIONS, what_if_schedules=True, top_k=2))
+    assert all(plan.what_if for plan in result.plans)  # at PP=4 zero-bubble schedules rank first
+    assert not result.best.what_if and result.best.key == runnable.key
 
 
 @pytest.mark.parametrize("schedule", ["zb_h1", "zb_v"])
@@ -176,7 +189,9 @@ def test_plans_carry_megatron_schedule_warnings(schedule):
                     fixed={"schedule": schedule, "pipeline_model_parallel_size": 2})
     runs = "interleaved 1F1B" if schedule == "zb_v" else "1F1B"
     for plan in result.plans:
-        assert f"megatron-core has no {schedule} schedule; Megatron will run this layout with {runs}" in plan.warnings
+        assert plan.what_if
+        assert any(f"what-if: megatron-core has no {schedule} schedule" in w and f"with {runs}" in w
+                   for w in plan.warnings)
         assert any("V-shaped placement" in w for w in plan.warnings) == (schedule == "zb_v")
     document = plan_document(result=result, model=SMALL, cluster=cluster(), inputs={})
     for plan in [document["best"], *document["plans"], *json_summary(result)["plans"]]:

@@ -130,7 +130,7 @@ def _plan(tps: float, *, mbs: int = 1, bubble: float = 0.1, feasible: bool = Tru
     par = ParallelSpec(pipeline_model_parallel_size=pp, data_parallel_size=8 // pp)
     stage = StageUsage(time_ms=1.0, static_bytes=1.0, activation_bytes=1.0, total_bytes=2.0)
     return Plan(parallel=par, train=TrainSpec(micro_batch_size=mbs, global_batch_size=64), schedule="1f1b",
-                num_microbatches=4, layers_per_stage=(1, 1), layout="Et|tL", method="optimal", pipeline_ms=1.0,
+                num_microbatches=4, decoder_layers_per_stage=(1, 1), layout="Et|tL", method="optimal", pipeline_ms=1.0,
                 dp_sync_ms=0.0, optimizer_ms=0.0, step_time_s=1.0, tokens_per_s=8 * tps, tokens_per_s_per_gpu=tps,
                 mfu=0.5, bubble_fraction=bubble, stages=(stage, stage), memory_spread=0.0, memory_cv=0.0,
                 cost_per_million_tokens=1e6 / tps, total_cost=1.0, feasible=feasible,
@@ -153,13 +153,20 @@ def test_warnings():
     c = cluster()
     deep = ParallelSpec(tensor_model_parallel_size=16, pipeline_model_parallel_size=16, data_parallel_size=1)
     long = TrainSpec(seq_length=131072, global_batch_size=8)
-    got = plan_warnings(parallel=deep, train=long, cluster=c, bubble_fraction=0.3, num_microbatches=8)
+    got = plan_warnings(parallel=deep, train=long, cluster=c, bubble_fraction=0.3, num_microbatches=8,
+                        bubble_warning_range=(0.12, 0.15))
     text = " ".join(got)
-    for needle in ("pipeline_model_parallel_size=16 > 8", "bubble 30.0% outside [12%, 15%]",
+    for needle in ("pipeline_model_parallel_size=16 > 8", "bubble 30.0% outside search.bubble_warning_range [12%, 15%]",
                    "tensor_model_parallel_size=16 spans nodes", "seq_length=131072", "num_microbatches=8 < "):
         assert needle in text
     calm = ParallelSpec(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, data_parallel_size=4)
     assert plan_warnings(parallel=calm, train=TRAIN, cluster=c, bubble_fraction=0.13, num_microbatches=64) == ()
+    # no range set (the default), or no pipeline: no bubble warning at all
+    assert not any("bubble" in w for w in plan_warnings(parallel=deep, train=long, cluster=c, bubble_fraction=0.3,
+                                                         num_microbatches=8))
+    flat = ParallelSpec(tensor_model_parallel_size=8, pipeline_model_parallel_size=1, data_parallel_size=16)
+    assert plan_warnings(parallel=flat, train=TRAIN, cluster=c, bubble_fraction=0.0, num_microbatches=64,
+                         bubble_warning_range=(0.12, 0.15)) == ()
 
 
 def test_dp_sync_closed_form_and_overlap():

@@ -76,7 +76,7 @@ def test_attribution_is_exact_and_keeps_proportions(case):
 
 
 def _check_attribution(profile, counts, forward, backward, scales, attribution):
-    corrected = attribute_times(profile, layers_per_stage=counts, stage_forward_ms=forward,
+    corrected = attribute_times(profile, entries_per_stage=counts, stage_forward_ms=forward,
                                 stage_backward_ms=backward, stage_time_scale=scales, attribution=attribution)
     start = 0
     for stage, count in enumerate(counts):
@@ -98,10 +98,10 @@ def _check_attribution(profile, counts, forward, backward, scales, attribution):
 
 def test_memory_attribution_reproduces_measured_rank_peaks():
     profile = _profile((2.0, 4.0), (2.0, 4.0))
-    old = given_split(profile, STAGES2, layers_per_stage=[5, 5], num_microbatches=8, schedule="1f1b")
+    old = given_split(profile, STAGES2, entries_per_stage=[5, 5], num_microbatches=8, schedule="1f1b")
     peaks = (old.rank_memory_bytes[0] * 1.7, old.rank_memory_bytes[1] * 0.6)
     corrected = attribute_memory(profile, old=old, rank_peak_bytes=peaks)
-    again = given_split(corrected, STAGES2, layers_per_stage=[5, 5], num_microbatches=8, schedule="1f1b")
+    again = given_split(corrected, STAGES2, entries_per_stage=[5, 5], num_microbatches=8, schedule="1f1b")
     assert again.rank_memory_bytes == pytest.approx(peaks, rel=1e-12)
     assert corrected.layers[1].act_bytes / corrected.layers[1].static_bytes == pytest.approx(0.1)
 
@@ -123,7 +123,7 @@ def test_replan_moves_layers_off_the_measured_bottleneck():
     assert result.new_step_ms == pytest.approx(7 * 48.0 + 84.3)
     assert result.gain == pytest.approx(result.old_step_ms / result.new_step_ms - 1) and result.gain > 0.15
     assert result.suggest and "min_gain" in result.reason
-    true_new = given_split(truth, STAGES2, layers_per_stage=result.new.layers_per_stage, num_microbatches=8)
+    true_new = given_split(truth, STAGES2, entries_per_stage=result.new.entries_per_stage, num_microbatches=8)
     assert true_new.bottleneck_ms < 60.0  # the true costs of the new layout are better too
 
 
@@ -138,7 +138,7 @@ def test_kind_attribution_finds_the_expensive_head():
     assert decoder.fwd_ms + decoder.bwd_ms == pytest.approx(6.0, rel=0.02)
     assert dict(result.corrected.meta)["attribution"] == "kind"
     start = 0
-    for stage, count in enumerate(result.old.layers_per_stage):  # still exact per stage
+    for stage, count in enumerate(result.old.entries_per_stage):  # still exact per stage
         chunk = result.corrected.layers[start:start + count]
         start += count
         assert sum(e.fwd_ms for e in chunk) == pytest.approx(run.stage_forward_ms[stage])
@@ -175,7 +175,7 @@ def test_errors_name_the_value():
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size=2"):
         replan(profile, run, stages=STAGES2 * 2, schedule="1f1b", num_microbatches=8)
     with pytest.raises(ConfigError, match="3 measured stages"):
-        attribute_times(profile, layers_per_stage=[5, 5], stage_forward_ms=[1, 1, 1], stage_backward_ms=[1, 1, 1])
+        attribute_times(profile, entries_per_stage=[5, 5], stage_forward_ms=[1, 1, 1], stage_backward_ms=[1, 1, 1])
     with pytest.raises(ConfigError, match="no pipeline records"):
         measured_run([{"kind": "rank", "step": 1}])
 

@@ -64,7 +64,7 @@ def setup_stage_specs(setup: Setup, *, pipeline_model_parallel_size: int | None 
 
 def stage_times(profile: Profile, part: Partition, specs: tuple[StageSpec, ...], stage_to_rank) -> StageTimes:
     """Per layout stage F, B, W (scaled by the rank's time_scale) and activation bytes."""
-    return simulate_inputs.stage_times(layers=profile.layers, layers_per_stage=part.layers_per_stage,
+    return simulate_inputs.stage_times(layers=profile.layers, entries_per_stage=part.entries_per_stage,
                                        stage_to_rank=stage_to_rank, specs=specs)
 
 

@@ -13,7 +13,8 @@ from omegaconf import DictConfig
 
 from megapipe.commands.common import console, pipeline_p2p, print_json, setup_profile, setup_stage_specs, stage_times
 from megapipe.config import Setup, to_setup
-from megapipe.emit import emit
+from megapipe.emit import BridgeKeys, decoder_counts, emit, megatron_schedule_warnings
+from megapipe.placement import gpus_by_name
 from megapipe.partition import solve
 from megapipe.records import LayerKind, Partition, Profile
 from megapipe.schedules import build
@@ -38,32 +39,46 @@ def _solve_and_simulate(setup: Setup, profile: Profile, specs, *, method: str) -
 
 
 def _decoders(part: Partition) -> list[int]:
-    return [sum(1 for kind in kinds if kind == LayerKind.decoder) for kinds in part.stage_kinds]
+    return list(decoder_counts(part.stage_kinds))
 
 
 def result_dict(setup: Setup, optimal: Partition, optimal_sim: SimResult, equal: Partition,
-                equal_sim: SimResult) -> dict:
-    emitted = emit(partition=optimal, parallel=setup.parallel, train=setup.train)
+                equal_sim: SimResult, specs) -> dict:
+    """The JSON form; a what-if schedule (one megatron-core does not run) gets no Megatron arguments."""
+    what_if = megatron_schedule_warnings(
+        schedule=setup.schedule, pipeline_model_parallel_size=setup.parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=setup.parallel.virtual_pipeline_model_parallel_size)
+    emitted = None if what_if else emit(
+        partition=optimal, parallel=setup.parallel, train=setup.train, model=setup.model,
+        gpus=gpus_by_name(setup.cluster, [spec.gpu_name for spec in specs]),
+        bridge_keys=BridgeKeys(setup.output.bridge_keys))
     return {
         "model": setup.model.name,
         "cluster": setup.cluster.name,
         "schedule": setup.schedule,
         "num_microbatches": setup.num_microbatches,
-        "layers_per_stage": list(optimal.layers_per_stage),
+        "entries_per_stage": list(optimal.entries_per_stage),
         "decoder_layers_per_stage": _decoders(optimal),
         "stage_time_ms": [round(t, 6) for t in optimal.stage_time_ms],
         "stage_memory_bytes": [float(round(b)) for b in optimal.stage_memory_bytes],
         "bottleneck_ms": round(optimal.bottleneck_ms, 6),
         "step_time_ms": round(optimal_sim.step_time_ms, 6),
         "bubble_fraction": round(optimal_sim.bubble_fraction, 6),
-        "layout": emitted.layout,
-        "megatron_args": emitted.megatron_command,
-        "bridge_overrides": list(emitted.bridge_overrides),
-        "nemo2_overrides": list(emitted.nemo2_overrides),
-        "nemo1_overrides": list(emitted.nemo1_overrides),
-        "warnings": list(emitted.warnings),
+        "layout": optimal.layout,
+        "seq_length": setup.train.seq_length,
+        "seq_length_source": setup.seq_length_source,
+        "stage_gpus": [spec.gpu_name for spec in specs],
+        "what_if": bool(what_if),
+        "megatron_args": emitted.megatron_command if emitted else None,
+        "megatron_env": dict(emitted.megatron_env) if emitted else None,
+        "bridge_overrides": list(emitted.bridge_overrides) if emitted else None,
+        "bridge_keys": emitted.bridge_keys.value if emitted else None,
+        "nemo2_overrides": list(emitted.nemo2_overrides) if emitted else None,
+        "nemo1_overrides": list(emitted.nemo1_overrides) if emitted else None,
+        "warnings": list(what_if) + (list(emitted.warnings) if emitted else []),
         "equal": {
-            "layers_per_stage": list(equal.layers_per_stage),
+            "entries_per_stage": list(equal.entries_per_stage),
+            "decoder_layers_per_stage": _decoders(equal),
             "layout": equal.layout,
             "bottleneck_ms": round(equal.bottleneck_ms, 6),
             "step_time_ms": round(equal_sim.step_time_ms, 6),
@@ -96,8 +111,15 @@ def _print_table(setup: Setup, specs, optimal: Partition, result: dict) -> None:
                       f"{(cap - optimal.stage_memory_bytes[stage]) / GIB:.2f}")
     out.print(table)
     equal = result["equal"]
-    out.print(f"layout:        {result['layout']}")
-    out.print(f"Megatron-LM:   {result['megatron_args']}", soft_wrap=True)
+    out.print(f"layout:        {result['layout']}  (seq_length {result['seq_length']:,} from "
+              f"{result['seq_length_source']})", markup=False)
+    if setup.cluster.is_heterogeneous:
+        out.print(f"stage GPUs:    {', '.join(result['stage_gpus'])} (node groups in the cluster file's order)",
+                  markup=False)
+    if result["megatron_args"] is not None:
+        env = " ".join(f"{k}={v}" for k, v in result["megatron_env"].items())
+        out.print(f"Megatron-LM:   {env + ' ' if env else ''}pretrain_gpt.py {result['megatron_args']}", soft_wrap=True,
+                  markup=False)
     out.print(f"optimal:       bottleneck {result['bottleneck_ms']:.2f} ms, step {result['step_time_ms']:.1f} ms, "
                   f"bubble {result['bubble_fraction']:.1%}")
     out.print(f"equal split:   {equal['layout']}  bottleneck {equal['bottleneck_ms']:.2f} ms, "
@@ -123,7 +145,7 @@ def run(setup: Setup, *, directory: str) -> None:
     specs = setup_stage_specs(setup)
     optimal, optimal_sim = _solve_and_simulate(setup, profile, specs, method="optimal")
     equal, equal_sim = _solve_and_simulate(setup, profile, specs, method="equal")
-    result = result_dict(setup, optimal, optimal_sim, equal, equal_sim)
+    result = result_dict(setup, optimal, optimal_sim, equal, equal_sim, specs)
     if setup.output.json:
         print_json(result)
     else:

@@ -16,8 +16,9 @@ from omegaconf import DictConfig
 
 from megapipe.commands.common import console, matched_profile, print_json
 from megapipe.config import Setup, recorded_inputs, to_setup
-from megapipe.emit import emit
+from megapipe.emit import BridgeKeys, emit, launch_line, launch_script, node_rank_lines
 from megapipe.io import write_plan_dir
+from megapipe.placement import gpus_by_name, node_gpus, node_ranges
 from megapipe.plan.document import json_summary, plan_document
 from megapipe.plan.plans import SearchResult
 from megapipe.plan.search import search
@@ -83,45 +84,74 @@ def _pictures(directory: str, result: SearchResult, *, usable_gib: float) -> Non
                   title=f"{result.best.schedule}: {result.best.layout}")
 
 
+def _emission(job: PlanJob, result: SearchResult) -> tuple[dict, object, str, tuple[str, ...]]:
+    """(extra plan.yaml sections, Emitted or None for a what-if plan, launch script, node rank GPU types)."""
+    setup, best = job.setup, result.best
+    gpus = gpus_by_name(setup.cluster, best.stage_gpus) if best.stage_gpus else \
+        (setup.cluster.gpu,) * best.parallel.pipeline_model_parallel_size
+    nodes = node_gpus(setup.cluster, best.parallel, [gpu.name for gpu in gpus]) if best.stage_gpus else ()
+    extra = {"seq_length_source": setup.seq_length_source}
+    if nodes:
+        extra["node_gpus"] = list(nodes)
+    if best.what_if:
+        return extra, None, "", nodes
+    emitted = emit(partition=best.partition, parallel=best.parallel, train=best.train, model=setup.model, gpus=gpus,
+                   bridge_keys=BridgeKeys(setup.output.bridge_keys))
+    launch = launch_script(emitted, gpus_per_node=setup.cluster.gpus_per_node, num_nodes=setup.cluster.num_nodes,
+                           vocab_size=setup.model.vocab_size, node_ranges=node_ranges(nodes) if nodes else "",
+                           title=f"megapipe plan of {setup.model.name} on {setup.cluster.name}")
+    return extra, emitted, launch, nodes
+
+
 def run(job: PlanJob, *, directory: str) -> None:
     setup = job.setup
     result = _progress_search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=_fixed(job),
                               options=setup.search, profile=job.profile,
-                              use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
-    best = result.best
-    emitted = emit(partition=best.partition, parallel=best.parallel, train=best.train)
+                              use_distributed_optimizer=setup.parallel.use_distributed_optimizer,
+                              microbatch_group_size_per_vp_stage=setup.parallel.microbatch_group_size_per_vp_stage)
+    extra, emitted, launch, nodes = _emission(job, result)
     document = plan_document(result=result, model=setup.model, cluster=setup.cluster, inputs=job.inputs,
-                             emitted=emitted.as_dict())
-    write_plan_dir(directory, document=document, emitted=emitted,
-                   profile=result.profile if isinstance(result.profile, Profile) else None)
+                             emitted=emitted.as_dict() if emitted else None, extra=extra)
+    files = write_plan_dir(directory, document=document, emitted=emitted, launch=launch,
+                           node_ranks=node_rank_lines(nodes) if nodes else "",
+                           profile=result.profile if isinstance(result.profile, Profile) else None)
     if setup.output.json:
-        print_json(json_summary(result))
+        print_json({**json_summary(result), "plan_dir": directory, "files": list(files), **extra,
+                    "emitted": emitted.as_dict() if emitted else None,
+                    "launch": _launch_line(setup, emitted) if emitted else None})
     else:
-        print_plans(result, directory=directory)
+        print_plans(result, setup=setup, emitted=emitted, directory=directory, files=files, nodes=nodes)
     if setup.output.pictures:  # after the answer: matplotlib takes longer than the search
         _pictures(directory, result, usable_gib=setup.cluster.gpu.usable_memory_bytes / GIB)
+
+
+def _launch_line(setup: Setup, emitted) -> str:
+    return launch_line(emitted, gpus_per_node=setup.cluster.gpus_per_node, num_nodes=setup.cluster.num_nodes)
 
 
 def _row(label: str, plan) -> list[str]:
     par, train = plan.parallel, plan.train
     shape = (f"{par.tensor_model_parallel_size}/{par.pipeline_model_parallel_size}/{par.data_parallel_size}/"
-             f"{par.context_parallel_size}/{par.virtual_pipeline_model_parallel_size}")
+             f"{par.context_parallel_size}/{par.virtual_pipeline_model_parallel_size}"
+             + ("+SP" if par.sequence_parallel and par.tensor_model_parallel_size > 1 else ""))
     peak = max(stage.total_bytes for stage in plan.stages) / GIB
     recompute = "/".join(plan.stage_recompute) if plan.stage_recompute else train.recompute_granularity.value
-    return [label, shape, plan.schedule, str(train.micro_batch_size), recompute,
-            "y" if par.sequence_parallel else "n", f"{plan.tokens_per_s_per_gpu:,.0f}", f"{plan.mfu:.1%}",
-            f"{plan.bubble_fraction:.1%}", f"{peak:.1f}", f"{plan.memory_cv:.2f}",
-            f"${plan.cost_per_million_tokens:.3f}", f"${plan.total_cost / 1e6:,.2f}M", str(len(plan.warnings))]
+    schedule = f"{plan.schedule} (what-if)" if plan.what_if else str(plan.schedule)
+    return [label, shape, schedule, str(train.micro_batch_size), recompute, f"{plan.tokens_per_s_per_gpu:,.0f}",
+            f"{plan.mfu:.1%}", f"{plan.bubble_fraction:.1%}", f"{peak:.1f}" + ("" if plan.feasible else "!"),
+            f"${plan.cost_per_million_tokens:.3f}"]
 
 
-def compare_line(best, reference) -> str:
-    """What changed from the write-ups' TP=4 PP=8 configuration to the best plan, and where the time went."""
+def compare_line(best, reference, source) -> str:
+    """What changed from a published configuration (``search.reference``) to the best plan, and where the time went."""
     par = reference.parallel
     peak = lambda plan: max(stage.total_bytes for stage in plan.stages) / GIB  # noqa: E731
+    reported = (f"reported {source.reported_tokens_per_s_per_gpu:,.0f} tok/s/GPU; "
+                if source.reported_tokens_per_s_per_gpu else "")
     return (
-        f"vs the write-ups' TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
-        f"DP={par.data_parallel_size} (they report 850 tok/s/GPU; megapipe predicts "
-        f"{reference.tokens_per_s_per_gpu:,.0f}): best plan {best.tokens_per_s / reference.tokens_per_s - 1:+.1%}; "
+        f"vs {source.label} (TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
+        f"DP={par.data_parallel_size}; {reported}megapipe predicts {reference.tokens_per_s_per_gpu:,.0f}): best plan "
+        f"{best.tokens_per_s / reference.tokens_per_s - 1:+.1%}; "
         f"bubble {reference.bubble_fraction:.1%} -> {best.bubble_fraction:.1%}, pipeline "
         f"{reference.pipeline_ms / 1e3:.2f} -> {best.pipeline_ms / 1e3:.2f} s, DP sync "
         f"{reference.dp_sync_ms / 1e3:.2f} -> {best.dp_sync_ms / 1e3:.2f} s, optimizer "
@@ -130,39 +160,65 @@ def compare_line(best, reference) -> str:
     )
 
 
-def print_plans(result: SearchResult, *, directory: str) -> None:
-    """Rich table: top k, the best plan's equal split, and the reference configuration."""
+def _pruned(stats) -> str:
+    return ", ".join(f"{reason} {count:,}" for reason, count in stats.pruned) or "none"
+
+
+def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: str, files: tuple[str, ...] = (),
+                nodes: tuple[str, ...] = ()) -> None:
+    """The ranked plans, the equal split and the reference in one table; then what to run and where the files are."""
     from rich.table import Table
 
-    table = Table(title="megapipe plan: best first")
-    for name in ("", "TP/PP/DP/CP/VP", "schedule", "mbs", "recompute", "SP", "tok/s/GPU", "MFU", "bubble",
-                 "peak GiB", "mem CV", "$/1M tok", "total $", "warn"):
+    train, model, cluster = setup.train, setup.model, setup.cluster
+    title = (f"megapipe plan: {model.name} on {cluster.num_gpus} x {cluster.gpu.name}"
+             + (" (mixed)" if cluster.is_heterogeneous else "")
+             + f", seq_length {train.seq_length:,} ({setup.seq_length_source}), global batch "
+             f"{train.global_batch_size:,} ({train.global_batch_size * train.seq_length / 1e6:,.1f}M tokens), "
+             f"{train.precision}")
+    table = Table(title=title, title_justify="left")
+    for name in ("", "TP/PP/DP/CP/VP", "schedule", "mbs", "recompute", "tok/s/GPU", "MFU", "bubble", "peak GiB",
+                 "$/1M tok"):
         table.add_column(name, overflow="fold")
+    best = result.best
     for index, plan in enumerate(result.plans, start=1):
-        table.add_row(*_row(f"#{index}", plan))
+        table.add_row(*_row(f"#{index}" + ("*" if plan is best and best is not result.plans[0] else ""), plan))
+    if best not in result.plans:
+        table.add_row(*_row("run*", best))
     if result.baseline is not None:
-        table.add_row(*_row("equal split" if result.baseline.feasible else "equal split (no fit)", result.baseline))
-    if result.reference is not None:
-        table.add_row(*_row("TP4 PP8 ref", result.reference))
+        table.add_row(*_row("equal split", result.baseline))
+    if result.reference is not None and setup.search.reference is not None:
+        table.add_row(*_row(setup.search.reference.label, result.reference))
     out = console()
     out.print(table)
-    best = result.best
-    out.print(f"layout: {best.layout}")
+    shown = [*result.plans, result.baseline, result.reference]
+    if any(plan is not None and not plan.feasible for plan in shown):
+        out.print("! does not fit memory: shown to compare, not to run", markup=False)
+    if best is not result.plans[0]:
+        out.print("* the plan to run: the best one megatron-core runs; the what-if plans above it use schedules it "
+                  "does not have", markup=False)
+    out.print(f"layout: {best.layout}", markup=False)
     for warning in best.warnings:
-        out.print(f"warning: {warning}")
-    for index, plan in enumerate(result.plans[1:], start=2):  # the others' in short: what Megatron will not run
-        for warning in plan.warnings:
-            if warning.startswith("megatron-core has no"):
-                out.print(f"#{index} warning: {warning}")
+        out.print(f"warning: {warning}", markup=False)
+    if nodes:
+        out.print(f"node ranks and their GPU type (start node rank n on such a node): {node_ranges(nodes)}",
+                  markup=False)
     if result.baseline is not None:
         gain = best.tokens_per_s / result.baseline.tokens_per_s - 1
         fits = "" if result.baseline.feasible else (
             f" (the equal split does not fit memory: {result.baseline.memory_over_gib:.1f} GiB over on its fullest "
             "stage, so it could not run as shown)")
         out.print(f"gain over equal split: {gain:+.1%}{fits}")
-    if result.reference is not None and result.reference is not best:
-        out.print(compare_line(best, result.reference))
+    if result.reference is not None and setup.search.reference is not None:
+        out.print(compare_line(best, result.reference, setup.search.reference), markup=False)
+    if emitted is None:
+        out.print(f"what-if: megatron-core cannot run {best.schedule}, so no Megatron arguments were written; plan "
+                  "with schedule=1f1b or interleaved_1f1b for a plan to run", markup=False)
+    else:
+        out.print(f"Megatron-LM: {_launch_line(setup, emitted)}", markup=False, soft_wrap=True)
+        names = ", ".join(os.path.basename(path) for path in files)
+        out.print(f"files in {directory}: {names} (Megatron-Bridge overrides use "
+                  f"{'flat model.* keys (0.6.x)' if emitted.bridge_keys == BridgeKeys.flat else 'model.transformer.* keys (Bridge main)'}"
+                  "; add data, tokenizer and schedule flags)", markup=False, soft_wrap=True)
     stats = result.stats
-    out.print(f"searched {stats.enumerated} candidates, simulated {stats.simulated}, pruned "
-                  f"{dict(stats.pruned)} in {stats.seconds:.2f} s; files in {directory}")
-
+    out.print(f"searched {stats.enumerated:,} candidates, simulated {stats.simulated}, pruned {_pruned(stats)} in "
+              f"{stats.seconds:.2f} s")

@@ -31,7 +31,7 @@ from megapipe.io import PLAN_FILE, atomic_write_text, dump_yaml, load_profile, r
 from megapipe.monitor.jsonl import FORMAT as MONITOR_FORMAT
 from megapipe.monitor.jsonl import read_monitor
 from megapipe.monitor.measured import measured_run
-from megapipe.placement import gpus_by_name
+from megapipe.placement import default_gpus, gpus_by_name
 from megapipe.plan.replan import MeasuredRun, Replan, replan
 from megapipe.profile.match import match_profile
 from megapipe.records import Profile
@@ -120,8 +120,8 @@ def _check_sizes(setup: Setup, measured: MeasuredRun, plan: dict | None) -> None
         )
 
 
-def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, directory: str) -> dict:
-    from megapipe.emit import emit
+def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, directory: str, gpus) -> dict:
+    from megapipe.emit import BridgeKeys, emit
 
     out = {
         "run_layout": measured.layout,
@@ -144,7 +144,8 @@ def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, director
         "corrected_profile": os.path.join(directory, "profile.yaml"),
     }
     if result.suggest:
-        emitted = emit(partition=result.new, parallel=setup.parallel, train=setup.train)
+        emitted = emit(partition=result.new, parallel=setup.parallel, train=setup.train, model=setup.model,
+                       gpus=gpus, bridge_keys=BridgeKeys(setup.output.bridge_keys))
         out.update(megatron_args=emitted.megatron_command, bridge_overrides=list(emitted.bridge_overrides),
                    nemo2_overrides=list(emitted.nemo2_overrides), warnings=list(emitted.warnings))
     return out
@@ -171,22 +172,24 @@ def _print(result: dict) -> None:
         out.print(f"warning: {warning}")
 
 
-def _stage_specs(job: ReplanJob):
-    """The run's placement: the plan's stage GPUs when it recorded them, else the default placement."""
+def _placement(job: ReplanJob):
+    """The run's GPU per pipeline rank: the plan's stage GPUs when it recorded them, else the default placement."""
     stage_gpus = (job.plan or {}).get("best", {}).get("stage_gpus")
-    gpus = gpus_by_name(job.setup.cluster, stage_gpus) if stage_gpus else None
-    return setup_stage_specs(job.setup, gpus=gpus)
+    if stage_gpus:
+        return gpus_by_name(job.setup.cluster, stage_gpus)
+    return default_gpus(job.setup.cluster, job.setup.parallel.pipeline_model_parallel_size)
 
 
 def run(job: ReplanJob, *, directory: str) -> None:
     setup, par = job.setup, job.setup.parallel
-    result = replan(job.profile, job.measured, stages=_stage_specs(job), schedule=setup.schedule,
+    gpus = _placement(job)
+    result = replan(job.profile, job.measured, stages=setup_stage_specs(setup, gpus=gpus), schedule=setup.schedule,
                     num_microbatches=setup.num_microbatches, p2p=pipeline_p2p(setup),
                     min_gain=job.options.min_gain,
                     microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage,
                     attribution=job.options.attribution, corrected_from=MONITOR_FORMAT)
     save_profile(result.corrected, os.path.join(directory, "profile.yaml"))
-    summary = result_dict(setup, job.measured, result, directory=directory)
+    summary = result_dict(setup, job.measured, result, directory=directory, gpus=gpus)
     atomic_write_text(os.path.join(directory, "replan.yaml"), dump_yaml(summary))
     if job.output.json:
         print_json(summary)

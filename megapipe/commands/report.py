@@ -32,25 +32,25 @@ def prepare(cfg: DictConfig) -> ReportInputs:
 
 
 def run(inputs: ReportInputs, *, directory: str) -> None:
-    rows = gather(inputs.root)
+    rows, failed = gather(inputs.root)
     out = inputs.output.dir or inputs.root
     os.makedirs(out, exist_ok=True)
     picture = os.path.join(out, "sweep.png") if inputs.output.pictures else None
     paths = write_tables(rows, out) + ([picture] if picture else [])
     if inputs.output.json:
-        print_json({"rows": rows, "files": paths})
+        print_json({"rows": rows, "failed": failed, "files": paths})
     else:
-        _print_table(rows, paths)
+        _print_table(rows, failed, paths)
     if picture:  # drawn after the answer is printed
         from megapipe.report.plots import sweep_chart
 
         sweep_chart(rows, picture)
 
 
-def _print_table(rows: list[dict], paths: list[str]) -> None:
+def _print_table(rows: list[dict], failed: list[dict], paths: list[str]) -> None:
     from rich.table import Table
 
-    table = Table(title=f"megapipe report: {len(rows)} plans")
+    table = Table(title=f"megapipe report: {len(rows)} plans" + (f", {len(failed)} failed" if failed else ""))
     for name in ("model", "cluster", "seq", "TP/PP/DP/CP/VP", "schedule", "mbs", "tok/s/GPU", "MFU", "$/1M tok",
                  "vs equal split"):
         table.add_column(name)
@@ -65,4 +65,6 @@ def _print_table(rows: list[dict], paths: list[str]) -> None:
                       f"${row['cost_per_million_tokens']:.3f}", gain)
     out = console()
     out.print(table)
+    for job in failed:
+        out.print(f"FAILED {job['plan_dir']}: {job['error']}", markup=False)
     out.print("files: " + ", ".join(paths))

@@ -12,6 +12,7 @@ setting (TP=4, PP=8, VP=1, CP=1, sequence parallel when TP>1, micro-batch 1, no 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,16 @@ from megapipe.config.options import (
     search_options,
 )
 from megapipe.config.schema import register_configs
+from megapipe.config.validate import (
+    MAX_GPUS,
+    MAX_LAYERS,
+    MAX_SEQ_LENGTH,
+    check_cluster,
+    check_gpu,
+    check_known_keys,
+    check_model,
+    positive_int,
+)
 from megapipe.errors import ConfigError
 from megapipe.plan.plans import SearchOptions
 from megapipe.records import (
@@ -81,6 +92,8 @@ class Setup:
     train: TrainSpec
     schedule: str
     """A schedule name, or ``all`` (``megapipe simulate``)."""
+    seq_length_source: str
+    """Where train.seq_length came from, for the console: the command line or the model's default."""
     num_microbatches: int
     fixed: Mapping[str, object]
     """Search dimensions the user set, with their values (the rest were filled or are searched)."""
@@ -122,7 +135,8 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "
                              return_hydra_config=return_hydra_config)
 
 
-def _model_spec(node: DictConfig) -> ModelSpec:
+def _model_spec(node: DictConfig, *, train_seq_length) -> tuple[ModelSpec, str]:
+    """The model record, and where the training sequence length comes from (train.seq_length or its default)."""
     fields = {key: node[key] for key in node if key != "config_path"}
     path = node.get("config_path")
     if not path and node.get("name") == "hf":
@@ -133,6 +147,18 @@ def _model_spec(node: DictConfig) -> ModelSpec:
         fields = {**fields, **from_file, **explicit}
         if fields.get("name") in (None, "hf"):
             fields["name"] = from_file.get("name", "hf")
+    if train_seq_length is not None:
+        source = "train.seq_length"
+    elif fields.get("seq_length") is not None:
+        source = f"model {fields.get('name')}'s default seq_length"
+    else:
+        longest = fields.get("max_position_embeddings")
+        raise ConfigError(
+            f"model={fields.get('name')!r} gives no training sequence length"
+            + (f" (config.json's max_position_embeddings={longest} is the longest context it supports, not what "
+               "to train with)" if longest else "") + "; set train.seq_length=4096 (or the length you train with)")
+    if fields.get("seq_length") is None:
+        fields["seq_length"] = train_seq_length
     required = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "seq_length")
     missing = [key for key in required if fields.get(key) is None]
     if missing:
@@ -143,58 +169,59 @@ def _model_spec(node: DictConfig) -> ModelSpec:
         **{**fields, "activation": Activation(_enum_value(fields["activation"])),
            "attention_backend": AttentionBackend(_enum_value(fields["attention_backend"]))}
     )
-    _validate_model(spec)
-    return spec
+    check_model(spec)
+    return spec, source
 
 
 def _enum_value(value) -> str:
     return value.value if hasattr(value, "value") else str(value)
 
 
-def _validate_model(model: ModelSpec) -> None:
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "vocab_size", "seq_length"):
-        if getattr(model, key) <= 0:
-            raise ConfigError(f"model.{key}={getattr(model, key)} must be positive")
-    if model.num_attention_heads % model.num_query_groups:
-        raise ConfigError(
-            f"model.num_query_groups={model.num_query_groups} must divide "
-            f"num_attention_heads={model.num_attention_heads}"
-        )
-
-
-def _gpu_spec(node: DictConfig) -> GpuSpec:
+def _gpu_spec(node: DictConfig, where: str) -> GpuSpec:
     spec = GpuSpec(**OmegaConf.to_container(node, resolve=True))
-    if spec.memory_gib <= 0 or spec.usable_memory_fraction <= 0:
-        raise ConfigError(
-            f"gpu {spec.name!r} has memory_gib={spec.memory_gib}, usable_memory_fraction={spec.usable_memory_fraction}; "
-            "both must be positive"
-        )
-    if spec.bf16_tflops <= 0 or spec.hbm_gbytes_per_s <= 0:
-        raise ConfigError(f"gpu {spec.name!r}: bf16_tflops and hbm_gbytes_per_s must be positive")
+    check_gpu(spec, where)
     return spec
 
 
 def _cluster_spec(node: DictConfig) -> ClusterSpec:
     links = {key: LinkSpec(**OmegaConf.to_container(node[key], resolve=True)) for key in ("intra_node", "inter_node")}
+    positive_int("cluster.num_nodes", node.num_nodes, upper=MAX_GPUS)
     if node.node_groups:
-        groups = tuple(NodeGroup(gpu=_gpu_spec(g.gpu), num_nodes=int(g.num_nodes)) for g in node.node_groups)
+        groups = tuple(NodeGroup(gpu=_gpu_spec(g.gpu, f"cluster.node_groups[{i}].gpu"),
+                                 num_nodes=positive_int(f"cluster.node_groups[{i}].num_nodes", g.num_nodes))
+                       for i, g in enumerate(node.node_groups))
         if sum(g.num_nodes for g in groups) != node.num_nodes:
             raise ConfigError(
                 f"cluster {node.name!r}: node_groups hold {sum(g.num_nodes for g in groups)} nodes but "
                 f"num_nodes={node.num_nodes}; make them agree"
             )
     else:
-        groups = (NodeGroup(gpu=_gpu_spec(node.gpu), num_nodes=int(node.num_nodes)),)
-    if node.num_nodes <= 0 or node.gpus_per_node <= 0:
-        raise ConfigError(f"cluster {node.name!r}: num_nodes={node.num_nodes} and gpus_per_node={node.gpus_per_node} must be positive")
-    for link in links.values():
-        if link.bandwidth_gbytes_per_s <= 0 or link.latency_us < 0:
-            raise ConfigError(f"cluster {node.name!r}: link {link.kind!r} needs bandwidth > 0 and latency >= 0")
-    return ClusterSpec(
-        name=str(node.name), gpus_per_node=int(node.gpus_per_node), price_per_gpu_hour=float(node.price_per_gpu_hour),
+        groups = (NodeGroup(gpu=_gpu_spec(node.gpu, "cluster.gpu"), num_nodes=int(node.num_nodes)),)
+    cluster = ClusterSpec(
+        name=str(node.name), gpus_per_node=positive_int("cluster.gpus_per_node", node.gpus_per_node),
+        price_per_gpu_hour=float(node.price_per_gpu_hour),
         intra_node=links["intra_node"], inter_node=links["inter_node"], node_groups=groups,
     )
+    check_cluster(cluster)
+    return cluster
+
+
+_PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def _precision(value) -> str:
+    name = str(getattr(value, "value", value))
+    if name not in _PRECISIONS:
+        raise ConfigError(f"train.precision={name!r} is not supported; use one of {', '.join(_PRECISIONS)}")
+    return name
+
+
+def _check_run_size(cfg: DictConfig) -> None:
+    if cfg.train.num_microbatches is not None:
+        positive_int("train.num_microbatches", cfg.train.num_microbatches, upper=1 << 20)
+    tokens = cfg.train.get("total_tokens")
+    if tokens is not None and not (isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens > 0):
+        raise ConfigError(f"train.total_tokens={tokens!r} must be a finite number > 0")
 
 
 def _largest_divisor(n: int, limit: int) -> int:
@@ -238,7 +265,8 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
     ones be validated, and ``Setup.fixed`` holds what the search must keep. Otherwise null
     dimensions are filled from ``fill``, then from :data:`DEFAULT_FILL`.
     """
-    model = _model_spec(cfg.model)
+    check_known_keys(cfg)
+    model, seq_source = _model_spec(cfg.model, train_seq_length=cfg.train.seq_length)
     cluster = _cluster_spec(cfg.cluster)
     given = _given(cfg)
     if search:
@@ -247,12 +275,12 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
         values = {**_SEARCH_PLACEHOLDER, **given}
     else:
         values = _fill(given, cluster, fill)
-    tp, pp, cp = (int(values[k]) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
-    vp = int(values["virtual_pipeline_model_parallel_size"])
-    for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                       ("context_parallel_size", cp), ("virtual_pipeline_model_parallel_size", vp)):
-        if value < 1:
-            raise ConfigError(f"parallel.{key}={value} must be >= 1")
+    tp, pp, cp, vp = (positive_int(f"parallel.{key}", values[key], upper=cluster.num_gpus if key != "virtual_pipeline_model_parallel_size" else MAX_LAYERS)
+                      for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                                  "virtual_pipeline_model_parallel_size"))
+    group = cfg.parallel.microbatch_group_size_per_vp_stage
+    if group is not None:
+        positive_int("parallel.microbatch_group_size_per_vp_stage", group)
     if cluster.num_gpus % (tp * pp * cp):
         raise ConfigError(
             f"{cluster.num_gpus} GPUs are not divisible by TP*PP*CP={tp}*{pp}*{cp}; "
@@ -263,14 +291,17 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
         context_parallel_size=cp, data_parallel_size=cluster.num_gpus // (tp * pp * cp),
         sequence_parallel=bool(values["sequence_parallel"]),
         use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
-        microbatch_group_size_per_vp_stage=cfg.parallel.microbatch_group_size_per_vp_stage,
+        microbatch_group_size_per_vp_stage=group,
     )
     train = TrainSpec(
-        micro_batch_size=int(values["micro_batch_size"]), global_batch_size=int(cfg.train.global_batch_size),
-        seq_length=int(cfg.train.seq_length or model.seq_length),
+        micro_batch_size=positive_int("train.micro_batch_size", values["micro_batch_size"], upper=1 << 20),
+        global_batch_size=positive_int("train.global_batch_size", cfg.train.global_batch_size, upper=1 << 30),
+        seq_length=model.seq_length if cfg.train.seq_length is None else positive_int(
+            "train.seq_length", cfg.train.seq_length, upper=MAX_SEQ_LENGTH),
         recompute_granularity=Recompute(_enum_value(values["recompute_granularity"])),
-        precision=str(cfg.train.precision),
+        precision=_precision(cfg.train.precision),
     )
+    _check_run_size(cfg)
     if "recompute_granularity" in given:
         given["recompute_granularity"] = train.recompute_granularity
     stage_times = cfg.get("stage_times")
@@ -278,6 +309,7 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
         stage_times = OmegaConf.to_container(stage_times, resolve=True)
     return Setup(
         model=model, cluster=cluster, parallel=parallel, train=train, schedule=str(values["schedule"]),
+        seq_length_source=seq_source,
         # A search derives each candidate's microbatches from its own DP and micro-batch size.
         num_microbatches=1 if search else _num_microbatches(cfg, train, parallel, (fill or {}).get("num_microbatches")),
         fixed=given, search=search_options(cfg), replan=replan_options(cfg), output=output_options(cfg),

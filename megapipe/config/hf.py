@@ -4,6 +4,11 @@ Covers the Llama / Mistral / Qwen family (num_hidden_layers, num_key_value_heads
 intermediate_size, hidden_act=silu -> SwiGLU, rope) and GPT-2 style files
 (n_layer, n_embd, n_head, n_inner, n_positions, learned absolute positions).
 No network access: only the file given is read.
+
+``max_position_embeddings`` is the longest context the model supports, not a training
+sequence length, so it fills ``max_position_embeddings`` only; the training length comes
+from ``train.seq_length``. Mixture-of-experts configs are refused until megapipe plans them:
+as dense models they would be costed as a fraction of their real size.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from collections.abc import Mapping
 from megapipe.errors import ConfigError
 
 __all__ = ["read_hf_config"]
+
+_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts", "num_experts_per_tok",
+                "moe_intermediate_size")
 
 
 def _first(data: Mapping, *keys: str):
@@ -37,6 +45,11 @@ def read_hf_config(path: str) -> dict:
         raise ConfigError(f"model.config_path={path!r} does not hold a JSON object")
     if "text_config" in data and isinstance(data["text_config"], Mapping):
         data = {**data, **data["text_config"]}
+    experts = [key for key in _EXPERT_KEYS if data.get(key)]
+    if experts:
+        raise ConfigError(
+            f"model.config_path={path!r} is a mixture-of-experts model ({experts[0]}={data[experts[0]]}); megapipe "
+            "does not plan expert parallelism yet and would cost it as a dense model: plan a dense model")
     gpt2_style = "n_layer" in data
     hidden = _first(data, "hidden_size", "n_embd", "d_model")
     heads = _first(data, "num_attention_heads", "n_head")
@@ -48,10 +61,12 @@ def read_hf_config(path: str) -> dict:
         "num_query_groups": _first(data, "num_key_value_heads") or heads,
         "ffn_hidden_size": _first(data, "intermediate_size", "n_inner", "ffn_dim") or (4 * hidden if hidden else None),
         "vocab_size": data.get("vocab_size"),
-        "seq_length": _first(data, "max_position_embeddings", "n_positions", "seq_length"),
+        "max_position_embeddings": _first(data, "max_position_embeddings", "n_positions"),
         "kv_channels": data.get("head_dim"),
         "untie_embeddings_and_output_weights": not bool(data.get("tie_word_embeddings", gpt2_style)),
         "position_embedding_type": "learned_absolute" if gpt2_style else "rope",
+        "rotary_base": data.get("rope_theta"),
+        "norm_epsilon": _first(data, "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon"),
     }
     act = str(_first(data, "hidden_act", "activation_function") or "").lower()
     fields["activation"] = "swiglu" if act in ("silu", "swish", "swiglu") else "gelu"

@@ -66,6 +66,11 @@ class ModelConfig:
     kv_channels: Optional[int] = None
     """Per-head dimension; null means hidden_size / num_attention_heads."""
     mtp_num_layers: int = 0
+    max_position_embeddings: Optional[int] = None
+    """Positions the embedding table (learned_absolute) or RoPE covers; null means seq_length."""
+    rotary_base: float = 10000.0
+    """RoPE theta (Megatron --rotary-base)."""
+    norm_epsilon: float = 1e-5
     config_path: Optional[str] = None
     """A Hugging Face config.json read from disk (model=hf); its values fill the null fields."""
 
@@ -82,6 +87,8 @@ class GpuConfig:
     matmul_efficiency: float = 0.75
     matmul_half_flops: float = 2.0e9
     bandwidth_efficiency: float = 0.8
+    architecture: str = ""
+    """ampere, hopper, blackwell, cdna3 or cpu."""
 
 
 @dataclass
@@ -148,23 +155,40 @@ class ScheduleConfig:
 
 
 @dataclass
+class ReferenceConfig:
+    """A published configuration to evaluate beside the best plan (set by an experiment, not by default)."""
+
+    label: str = MISSING
+    """How the row is labelled, e.g. the write-ups' TP4 PP8."""
+    tensor_model_parallel_size: int = MISSING
+    pipeline_model_parallel_size: int = MISSING
+    reported_tokens_per_s_per_gpu: Optional[float] = None
+    """What the source reports for it, printed beside megapipe's prediction."""
+    source: str = ""
+
+
+@dataclass
 class SearchConfig:
     objective: Objective = Objective.throughput
     allow_cross_node_tp: bool = False
     bubble_target: Optional[List[float]] = None
     """[low, high]: pick the micro-batch size whose bubble falls in this range."""
-    bubble_warning_range: List[float] = field(default_factory=lambda: [0.12, 0.15])
+    bubble_warning_range: Optional[List[float]] = None
+    """[low, high]: warn when a plan's bubble falls outside it; null warns never."""
     ignore_memory_limit: bool = False
     top_k: int = 5
     max_pipeline_model_parallel_size: Optional[int] = None
     per_stage_recompute: bool = False
     """Also search per-stage recompute (AdaPipe): each pipeline rank picks none/selective/full with the split."""
-    megatron_schedules_only: bool = False
-    """Search only 1f1b and interleaved_1f1b, the schedules megatron-core runs (others plan with a warning)."""
+    what_if_schedules: bool = False
+    """Also search schedules megatron-core cannot run (ZB-H1/H2, ZB-V, DualPipeV), ranked as what-if results:
+    labelled as such, and Megatron arguments are written only for the best plan megatron-core runs."""
     drift_threshold: float = 0.1
     """Relative difference between measured and predicted figures that triggers a warning."""
     min_gain: float = 0.02
     """replan refuses to suggest a change whose predicted gain is below this fraction."""
+    reference: Optional[ReferenceConfig] = None
+    """A published configuration shown beside the best plan (DP is the rest, 1F1B, micro-batch 1, SP)."""
     replan_attribution: str = "stage"
     """replan: stage (split each stage's measured time in proportion to the profile) or kind (per-kind factors first)."""
 
@@ -175,6 +199,8 @@ class OutputConfig:
     dir: Optional[str] = None
     """Where files go; null means Hydra's output directory."""
     pictures: bool = True
+    bridge_keys: str = "flat"
+    """Megatron-Bridge spelling: flat (model.*, released 0.6.x) or nested (model.transformer.*, Bridge main)."""
 
 
 @dataclass

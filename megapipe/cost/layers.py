@@ -203,7 +203,7 @@ def layer_costs(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, paralle
                 act_bytes=mtp_activation_bytes(shapes), bytes_per_param=per_param)
     layers = [
         _unit("embedding", LayerKind.embedding, _embedding_timing(shapes, device),
-              params=embedding_params(shapes, max_position_embeddings=model.seq_length),
+              params=embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length),
               act_bytes=embedding_activation_bytes(shapes), bytes_per_param=per_param),
         *_named_copies(decoder, "decoder", model.num_layers),
         *_named_copies(mtp, "mtp", model.mtp_num_layers),

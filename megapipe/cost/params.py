@@ -84,7 +84,7 @@ def parameter_count(model: ModelSpec) -> int:
     shapes = shapes_of(model=model, parallel=ParallelSpec(), train=TrainSpec(seq_length=model.seq_length))
     shapes = replace(shapes, vocab_size=model.vocab_size)
     total = model.num_layers * decoder_params(shapes) + model.mtp_num_layers * mtp_params(shapes)
-    total += embedding_params(shapes, max_position_embeddings=model.seq_length)
+    total += embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length)
     total += output_params(shapes, holds_output_weight=model.untie_embeddings_and_output_weights)
     return int(round(total))
 

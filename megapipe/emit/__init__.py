@@ -3,9 +3,10 @@
 Pure: records in, strings out; no torch, no I/O. ``emit`` is the entry point.
 """
 
-from megapipe.emit.emitted import Emitted, emit
-from megapipe.emit.megatron import megatron_args, recompute_settings
-from megapipe.emit.overrides import bridge_settings, nemo1_settings, nemo2_settings, to_overrides
+from megapipe.emit.emitted import Emitted, emit, megatron_schedule_warnings
+from megapipe.emit.launch import launch_line, launch_script, node_rank_lines
+from megapipe.emit.megatron import megatron_args, megatron_env, recompute_settings
+from megapipe.emit.overrides import BridgeKeys, bridge_settings, nemo1_settings, nemo2_settings, to_overrides
 from megapipe.emit.quoting import format_override, format_value, shell_join, shell_quote
 from megapipe.emit.stages import (
     decoder_counts,
@@ -17,8 +18,14 @@ from megapipe.emit.stages import (
 )
 
 __all__ = [
+    "BridgeKeys",
     "Emitted",
     "emit",
+    "launch_line",
+    "launch_script",
+    "megatron_env",
+    "megatron_schedule_warnings",
+    "node_rank_lines",
     "megatron_args",
     "recompute_settings",
     "bridge_settings",

@@ -1,16 +1,20 @@
-"""One partition and its parallel/train settings, written for every Megatron front end."""
+"""One partition and its parallel/train settings, written for every Megatron front end.
+
+:func:`emit` refuses a what-if plan (a pipelined schedule megatron-core does not run): its
+arguments would describe a pipeline other than the one simulated.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapipe.emit.megatron import megatron_args
-from megapipe.emit.overrides import bridge_settings, nemo1_settings, nemo2_settings, to_overrides
-from megapipe.emit.quoting import shell_join
+from megapipe.emit.megatron import megatron_args, megatron_env
+from megapipe.emit.overrides import BridgeKeys, bridge_settings, nemo1_settings, nemo2_settings, to_overrides
+from megapipe.emit.quoting import shell_join, shell_quote
 from megapipe.emit.stages import StageKinds, decoder_counts, equal_stage_kinds, is_equal_split, validate_stages
 from megapipe.errors import ConfigError
 from megapipe.layout import format_layout, parse_layout
-from megapipe.records import LayerKind, ParallelSpec, Partition, TrainSpec
+from megapipe.records import GpuSpec, LayerKind, ModelSpec, ParallelSpec, Partition, TrainSpec
 from megapipe.schedules import Placement, spec
 
 __all__ = ["Emitted", "emit", "megatron_schedule_warnings"]
@@ -23,17 +27,26 @@ class Emitted:
     layout: str
     """Megatron ``pipeline_model_parallel_layout``, vp-major stages."""
     megatron_args: tuple[str, ...]
-    """argv tokens for Megatron-LM's ``pretrain_gpt.py``."""
+    """argv tokens for Megatron-LM's ``pretrain_gpt.py``: parallelism, model shape, precision, overlap."""
+    megatron_env: tuple[tuple[str, str], ...]
+    """Environment variables Megatron-LM's start-up checks need (CUDA_DEVICE_MAX_CONNECTIONS)."""
     bridge_overrides: tuple[str, ...]
+    bridge_keys: BridgeKeys
+    """Which Megatron-Bridge spelling the overrides use (flat ``model.*`` for 0.6.x, nested for main)."""
     nemo2_overrides: tuple[str, ...]
     nemo1_overrides: tuple[str, ...]
     warnings: tuple[str, ...] = ()
-    """Settings that could not be expressed as planned (not printed here)."""
+    """Settings that could not be expressed as planned."""
 
     @property
     def megatron_command(self) -> str:
         """The Megatron-LM arguments as one shell-quoted line."""
         return shell_join(self.megatron_args)
+
+    @property
+    def env_prefix(self) -> str:
+        """``NAME=value`` words to put before the launcher, or empty."""
+        return " ".join(f"{name}={shell_quote(value)}" for name, value in self.megatron_env)
 
     @property
     def bridge_command(self) -> str:
@@ -56,8 +69,10 @@ class Emitted:
             "layout": self.layout,
             "megatron_args": list(self.megatron_args),
             "megatron_command": self.megatron_command,
+            "megatron_env": dict(self.megatron_env),
             "bridge_overrides": list(self.bridge_overrides),
             "bridge_command": self.bridge_command,
+            "bridge_keys": self.bridge_keys.value,
             "nemo2_overrides": list(self.nemo2_overrides),
             "nemo2_command": self.nemo2_command,
             "nemo1_overrides": list(self.nemo1_overrides),
@@ -84,6 +99,15 @@ def _check_sizes(partition: Partition, parallel: ParallelSpec) -> None:
             f"partition layout {partition.layout!r} disagrees with its stage_kinds "
             f"{format_layout(partition.stage_kinds)!r}; rebuild the partition"
         )
+
+
+def _check_model(partition: Partition, model: ModelSpec) -> None:
+    flat = [kind for kinds in partition.stage_kinds for kind in kinds]
+    counts = (flat.count(LayerKind.decoder), flat.count(LayerKind.mtp))
+    if counts != (model.num_layers, model.mtp_num_layers):
+        raise ConfigError(
+            f"partition holds {counts[0]} decoder and {counts[1]} MTP layers but model {model.name!r} has "
+            f"num_layers={model.num_layers}, mtp_num_layers={model.mtp_num_layers}; partition this model")
 
 
 def _nemo1_warnings(stage_kinds: StageKinds, parallel: ParallelSpec) -> list[str]:
@@ -117,7 +141,8 @@ def megatron_schedule_warnings(*, schedule: str, pipeline_model_parallel_size: i
     if item.megatron_runs or pipeline_model_parallel_size == 1:
         return ()
     runs = "interleaved 1F1B" if virtual_pipeline_model_parallel_size > 1 else "1F1B"
-    warnings = [f"megatron-core has no {schedule} schedule; Megatron will run this layout with {runs}"]
+    warnings = [f"what-if: megatron-core has no {schedule} schedule, so this plan cannot run as simulated "
+                f"(Megatron would run its layout with {runs}); no Megatron arguments are written for it"]
     if item.placement is Placement.v:
         warnings.append(
             f"the {schedule} V-shaped placement (rank r holds stages r and 2P-1-r) cannot be expressed: "
@@ -126,29 +151,37 @@ def megatron_schedule_warnings(*, schedule: str, pipeline_model_parallel_size: i
     return tuple(warnings)
 
 
-def _schedule_warnings(partition: Partition) -> list[str]:
-    return list(megatron_schedule_warnings(
-        schedule=partition.schedule, pipeline_model_parallel_size=partition.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=partition.virtual_pipeline_model_parallel_size))
+def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec,
+         gpus: tuple[GpuSpec, ...], bridge_keys: BridgeKeys = BridgeKeys.flat) -> Emitted:
+    """Write ``partition`` for every front end; ConfigError if Megatron could not run it as planned.
 
-
-def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec) -> Emitted:
-    """Write ``partition`` for every front end; raise ConfigError if Megatron could not run it."""
+    ``gpus``: the GPU type of each pipeline rank (what the environment the launch needs depends on).
+    """
     _check_sizes(partition, parallel)
+    _check_model(partition, model)
     validate_stages(
         partition.stage_kinds,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
     )
+    what_if = megatron_schedule_warnings(schedule=partition.schedule,
+                                         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+                                         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size)
+    if what_if:
+        raise ConfigError(f"{what_if[0]}; plan with schedule=1f1b or interleaved_1f1b to get Megatron arguments")
     layout = format_layout(partition.stage_kinds)
     warnings = []
     if parallel.sequence_parallel and parallel.tensor_model_parallel_size == 1:
         warnings.append("sequence_parallel needs tensor_model_parallel_size > 1; it is left off, as Megatron does")
+    env = megatron_env(parallel=parallel, gpus=gpus)
     return Emitted(
         layout=layout,
-        megatron_args=megatron_args(layout=layout, parallel=parallel, train=train),
-        bridge_overrides=to_overrides(bridge_settings(layout=layout, parallel=parallel, train=train)),
-        nemo2_overrides=to_overrides(nemo2_settings(layout=layout, parallel=parallel, train=train)),
-        nemo1_overrides=to_overrides(nemo1_settings(parallel=parallel, train=train)),
-        warnings=tuple(warnings + _schedule_warnings(partition) + _nemo1_warnings(partition.stage_kinds, parallel)),
+        megatron_args=megatron_args(layout=layout, parallel=parallel, train=train, model=model),
+        megatron_env=tuple(env.items()),
+        bridge_overrides=to_overrides(bridge_settings(layout=layout, parallel=parallel, train=train, model=model,
+                                                      env=env, keys=bridge_keys)),
+        bridge_keys=BridgeKeys(bridge_keys),
+        nemo2_overrides=to_overrides(nemo2_settings(layout=layout, parallel=parallel, train=train, model=model)),
+        nemo1_overrides=to_overrides(nemo1_settings(parallel=parallel, train=train, model=model)),
+        warnings=tuple(warnings + _nemo1_warnings(partition.stage_kinds, parallel)),
     )

@@ -1,20 +1,36 @@
-"""Megatron-LM command-line arguments (``megatron/training/arguments.py``).
+"""Megatron-LM command-line arguments (``megatron/training/arguments.py``) and the environment a launch needs.
 
-Flag names were checked against Megatron-LM core_v0.16.1 and main (2026-08):
-TransformerConfig fields become ``--field-name`` flags; the interleaving group
-keeps its long name ``--microbatch-group-size-per-virtual-pipeline-stage``.
-``validate_args`` accepts at most one of ``--pipeline-model-parallel-layout``,
-``--num-virtual-stages-per-pipeline-rank`` and ``--num-layers-per-virtual-pipeline-stage``
-and derives the virtual stages from the layout (stages / pipeline size), so with a
-layout no virtual-stage flag is emitted. ``--decoder-first/last-pipeline-num-layers``
-and ``--account-for-*-in-pipeline-split`` conflict with a layout and are never emitted.
+The arguments hold everything the plan assumed, so a ``pretrain_gpt.py`` run needs only data,
+tokenizer and optimizer-schedule flags added:
+
+- parallelism: TP, PP, the layout, CP, sequence parallel, micro and global batch, recompute, the
+  distributed optimizer and the overlap of its collectives that the step-time model counts on
+  (``--overlap-grad-reduce``, ``--overlap-param-gather``);
+- the model shape: layers, hidden, FFN, heads, query groups (``--group-query-attention`` too:
+  without it Megatron silently builds MHA), head size, sequence length and position table,
+  position embedding and RoPE base, SwiGLU, untied embeddings, vocabulary; and the family's
+  normalisation, biases and dropout (:mod:`megapipe.cost.shapes`' convention: the swiglu family is
+  Llama's RMSNorm without biases or dropout, the gelu family GPT's LayerNorm with biases and 0.1
+  dropout);
+- precision: ``--bf16`` or ``--fp16`` (Megatron's default is fp32).
+
+Flag names were checked against Megatron-LM core_v0.16.1, core_v0.19.0 and main (2026-08) by
+running these arguments through ``parse_args``, ``validate_args`` and ``TransformerConfig``
+(``scripts/check_megatron_args.py``; docs/emit.md). With a layout no virtual-stage flag is
+emitted (``validate_args`` derives it and accepts only one of the three);
+``--decoder-first/last-pipeline-num-layers`` and ``--account-for-*`` conflict with a layout and
+are never emitted. ``--rotary-base`` is an int in Megatron's parser.
+
+Environment: ``validate_args`` refuses TP > 1 or CP > 1 on GPUs before Blackwell (compute
+capability < 10) unless ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`megatron_env`).
 """
 
 from __future__ import annotations
 
-from megapipe.records import ParallelSpec, Recompute, TrainSpec
+from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
+from megapipe.records import Activation, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
-__all__ = ["megatron_args", "recompute_settings"]
+__all__ = ["megatron_args", "megatron_env", "recompute_settings", "family_settings"]
 
 
 def recompute_settings(granularity: Recompute) -> dict[str, object]:
@@ -31,7 +47,43 @@ def recompute_settings(granularity: Recompute) -> dict[str, object]:
     return {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
 
 
-def megatron_args(*, layout: str, parallel: ParallelSpec, train: TrainSpec) -> tuple[str, ...]:
+def family_settings(model: ModelSpec) -> dict[str, object]:
+    """Normalisation, biases and dropout of the model's family, in TransformerConfig names."""
+    if Activation(model.activation) == Activation.swiglu:
+        return {"normalization": "RMSNorm", "add_bias_linear": False, "attention_dropout": 0.0, "hidden_dropout": 0.0}
+    return {"normalization": "LayerNorm", "add_bias_linear": True, "attention_dropout": 0.1, "hidden_dropout": 0.1}
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _shape_args(model: ModelSpec, train: TrainSpec) -> list[str]:
+    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+            "--ffn-hidden-size", str(model.ffn_hidden_size), "--num-attention-heads", str(model.num_attention_heads)]
+    if model.num_query_groups != model.num_attention_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
+    args += ["--kv-channels", str(model.head_dim), "--seq-length", str(train.seq_length),
+             "--max-position-embeddings", str(max(model.max_position_embeddings or 0, train.seq_length))]
+    args += ["--position-embedding-type", model.position_embedding_type]
+    if model.position_embedding_type == "rope":
+        args += ["--rotary-base", str(int(round(model.rotary_base)))]
+    if Activation(model.activation) == Activation.swiglu:
+        args.append("--swiglu")
+    family = family_settings(model)
+    args += ["--normalization", str(family["normalization"]), "--norm-epsilon", _number(model.norm_epsilon)]
+    if not family["add_bias_linear"]:
+        args.append("--disable-bias-linear")
+    args += ["--attention-dropout", _number(family["attention_dropout"]),
+             "--hidden-dropout", _number(family["hidden_dropout"])]
+    if model.untie_embeddings_and_output_weights:
+        args.append("--untie-embeddings-and-output-weights")
+    args += ["--vocab-size", str(model.vocab_size),
+             "--make-vocab-size-divisible-by", str(MAKE_VOCAB_SIZE_DIVISIBLE_BY)]
+    return args
+
+
+def megatron_args(*, layout: str, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec) -> tuple[str, ...]:
     """argv tokens for ``pretrain_gpt.py``; the layout token is raw (argparse sees no quotes)."""
     args = [
         "--tensor-model-parallel-size", str(parallel.tensor_model_parallel_size),
@@ -48,5 +100,19 @@ def megatron_args(*, layout: str, parallel: ParallelSpec, train: TrainSpec) -> t
         if value is not None:
             args += ["--" + name.replace("_", "-"), str(value)]
     if parallel.use_distributed_optimizer:
-        args.append("--use-distributed-optimizer")
+        # The step-time model hides the gradient reduce-scatter and parameter all-gather behind compute.
+        args += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    else:
+        args.append("--overlap-grad-reduce")
+    args += _shape_args(model, train)
+    if train.precision in ("bf16", "fp16"):
+        args.append(f"--{train.precision}")
     return tuple(args)
+
+
+def megatron_env(*, parallel: ParallelSpec, gpus: tuple[GpuSpec, ...]) -> dict[str, str]:
+    """Environment variables Megatron-LM's start-up checks need for this plan on these GPUs."""
+    if (parallel.tensor_model_parallel_size > 1 or parallel.context_parallel_size > 1) and any(
+            gpu.before_blackwell for gpu in gpus):
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}

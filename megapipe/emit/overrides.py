@@ -1,29 +1,45 @@
-"""Hydra-style overrides for Megatron-Bridge, NeMo 2 (NeMo-Run) and NeMo 1 configs.
+"""Overrides for Megatron-Bridge, NeMo 2 (NeMo-Run CLI) and NeMo 1 configs: the plan, the model shape and precision.
 
-Key names were checked in the public sources:
-- Megatron-Bridge ``ConfigContainer`` (src/megatron/bridge/training/config.py):
-  ``model.*`` is the TransformerConfig-based provider, ``train.micro_batch_size`` /
-  ``train.global_batch_size``, and the distributed optimizer is set in both
-  ``ddp`` and ``optimizer``. Bridge applies overrides with Hydra's OverridesParser.
-- NeMo 2 ``MegatronStrategy`` (nemo/lightning/pytorch/strategies/megatron_strategy.py,
-  2.6+) takes ``pipeline_model_parallel_layout`` and the parallel sizes; recompute
-  lives in ``model.config``, batch sizes in ``data``, the optimizer in ``optim.config``.
-- NeMo 1 ``megatron_gpt_config.yaml``: ``model.*`` sizes and
-  ``activations_checkpoint_*``; ``context_parallel_size`` is read with ``cfg.get`` but
-  is not in the yaml, so it is force-added (``++``). There is no per-stage key.
+Key names were checked in the public sources (docs/emit.md has the references):
+
+- Megatron-Bridge ``ConfigContainer``: ``model.*`` is the TransformerConfig-based provider (flat
+  in the released 0.6.x; Bridge main, unreleased 0.7, nests the Llama recipes' transformer fields
+  under ``model.transformer.*`` and keeps vocabulary, sequence and position fields on ``model.*``);
+  ``train.micro_batch_size`` / ``train.global_batch_size``; ``dataset.seq_length``, which the run
+  script copies into the model; the distributed optimizer in both ``ddp`` and ``optimizer``;
+  precision as a ``mixed_precision`` recipe name (a bare ``model.bf16`` is undone by it); the
+  environment in ``env_vars``. Bridge applies overrides with Hydra's OverridesParser.
+- NeMo 2 ``MegatronStrategy`` (2.5-2.7) takes ``pipeline_model_parallel_layout`` and the parallel
+  sizes under ``trainer.strategy``; the model's TransformerConfig is ``model.config``; batch and
+  sequence are ``data.*`` (and ``model.config.seq_length``); the optimizer ``optim.config``;
+  precision the ``trainer.plugins`` MegatronMixedPrecision (which overrides ``model.config``).
+- NeMo 1 ``megatron_gpt_config.yaml``: ``model.*`` sizes and shape, ``activations_checkpoint_*``,
+  ``trainer.precision``; ``context_parallel_size`` and ``rotary_base`` are read with ``cfg.get``
+  but are not in the yaml, so they are force-added (``++``). There is no per-stage key.
 
 Recipes may preset ``num_layers_in_first/last_pipeline_stage`` or
-``account_for_*_in_pipeline_split``, which megatron-core rejects next to a layout,
-so the layout overrides reset them.
+``account_for_*_in_pipeline_split``, which megatron-core rejects next to a layout, so the layout
+overrides reset them.
 """
 
 from __future__ import annotations
 
-from megapipe.emit.megatron import recompute_settings
-from megapipe.emit.quoting import format_override
-from megapipe.records import ParallelSpec, TrainSpec
+import enum
 
-__all__ = ["bridge_settings", "nemo1_settings", "nemo2_settings", "to_overrides"]
+from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
+from megapipe.emit.megatron import family_settings, recompute_settings
+from megapipe.emit.quoting import format_override
+from megapipe.records import Activation, ModelSpec, ParallelSpec, TrainSpec
+
+__all__ = ["BridgeKeys", "bridge_settings", "nemo1_settings", "nemo2_settings", "to_overrides"]
+
+
+class BridgeKeys(str, enum.Enum):
+    """How Megatron-Bridge spells TransformerConfig fields: flat ``model.*`` (0.6.x) or ``model.transformer.*``."""
+
+    flat = "flat"
+    nested = "nested"
+
 
 _LAYOUT_RESETS = {
     "num_layers_in_first_pipeline_stage": None,
@@ -31,6 +47,9 @@ _LAYOUT_RESETS = {
     "account_for_embedding_in_pipeline_split": False,
     "account_for_loss_in_pipeline_split": False,
 }
+_BRIDGE_PRECISION = {"bf16": "bf16_mixed", "fp16": "fp16_mixed"}
+_NEMO2_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32"}
+_NEMO1_PRECISION = {"bf16": "bf16-mixed", "fp16": 16, "fp32": 32}
 
 
 def _virtual_size(parallel: ParallelSpec) -> int | None:
@@ -58,36 +77,81 @@ def _strategy_settings(*, layout: str, parallel: ParallelSpec) -> dict[str, obje
     return settings
 
 
+def _transformer_shape(model: ModelSpec) -> dict[str, object]:
+    """TransformerConfig fields of the model's shape and family."""
+    family = family_settings(model)
+    return {
+        "num_layers": model.num_layers, "hidden_size": model.hidden_size, "ffn_hidden_size": model.ffn_hidden_size,
+        "num_attention_heads": model.num_attention_heads, "num_query_groups": model.num_query_groups,
+        "kv_channels": model.head_dim, "normalization": family["normalization"],
+        "layernorm_epsilon": model.norm_epsilon, "add_bias_linear": family["add_bias_linear"],
+        "gated_linear_unit": Activation(model.activation) == Activation.swiglu,
+        "attention_dropout": family["attention_dropout"], "hidden_dropout": family["hidden_dropout"],
+    }
+
+
+def _model_shape(model: ModelSpec, train: TrainSpec) -> dict[str, object]:
+    """Fields of the GPT model around the transformer: vocabulary, sequence, positions, tied embeddings."""
+    settings: dict[str, object] = {
+        "vocab_size": model.vocab_size, "make_vocab_size_divisible_by": MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+        "seq_length": train.seq_length,
+        "share_embeddings_and_output_weights": not model.untie_embeddings_and_output_weights,
+        "position_embedding_type": model.position_embedding_type,
+    }
+    if model.position_embedding_type == "rope":
+        settings["rotary_base"] = int(round(model.rotary_base))
+    return settings
+
+
 def _prefixed(prefix: str, settings: dict[str, object]) -> dict[str, object]:
     return {f"{prefix}.{key}": value for key, value in settings.items()}
 
 
-def bridge_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec) -> dict[str, object]:
-    """Megatron-Bridge ConfigContainer keys and values."""
-    return {
-        **_prefixed("model", _strategy_settings(layout=layout, parallel=parallel)),
-        **_prefixed("model", recompute_settings(train.recompute_granularity)),
+def bridge_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec,
+                    env: dict[str, str], keys: BridgeKeys = BridgeKeys.flat) -> dict[str, object]:
+    """Megatron-Bridge ConfigContainer keys and values (``keys``: 0.6.x flat or main's nested spelling)."""
+    transformer = "model.transformer" if BridgeKeys(keys) == BridgeKeys.nested else "model"
+    settings = {
+        **_prefixed(transformer, _strategy_settings(layout=layout, parallel=parallel)),
+        **_prefixed(transformer, recompute_settings(train.recompute_granularity)),
+        **_prefixed(transformer, _transformer_shape(model)),
+        **_prefixed("model", _model_shape(model, train)),
         "train.micro_batch_size": train.micro_batch_size,
         "train.global_batch_size": train.global_batch_size,
+        "dataset.seq_length": train.seq_length,
         "ddp.use_distributed_optimizer": parallel.use_distributed_optimizer,
         "optimizer.use_distributed_optimizer": parallel.use_distributed_optimizer,
+        "ddp.overlap_grad_reduce": True,
+        "ddp.overlap_param_gather": parallel.use_distributed_optimizer,
     }
+    if train.precision in _BRIDGE_PRECISION:
+        settings["mixed_precision"] = _BRIDGE_PRECISION[train.precision]
+    settings.update({f"++env_vars.{name}": value for name, value in env.items()})
+    return settings
 
 
-def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec) -> dict[str, object]:
-    """NeMo 2 recipe keys (``llm.pretrain`` through NeMo-Run) and values."""
+def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec) -> dict[str, object]:
+    """NeMo 2 recipe keys (``nemo llm pretrain`` through NeMo-Run) and values."""
     return {
         **_prefixed("trainer.strategy", _strategy_settings(layout=layout, parallel=parallel)),
+        "trainer.strategy.ddp.overlap_grad_reduce": True,
+        "trainer.strategy.ddp.overlap_param_gather": parallel.use_distributed_optimizer,
         **_prefixed("model.config", recompute_settings(train.recompute_granularity)),
+        **_prefixed("model.config", _transformer_shape(model)),
+        **_prefixed("model.config", _model_shape(model, train)),
         "data.micro_batch_size": train.micro_batch_size,
         "data.global_batch_size": train.global_batch_size,
+        "data.seq_length": train.seq_length,
         "optim.config.use_distributed_optimizer": parallel.use_distributed_optimizer,
+        "trainer.plugins.precision": _NEMO2_PRECISION[train.precision],
     }
 
 
-def nemo1_settings(*, parallel: ParallelSpec, train: TrainSpec) -> dict[str, object]:
+def nemo1_settings(*, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec) -> dict[str, object]:
     """NeMo 1 ``megatron_gpt_config.yaml`` keys; a ``++`` key is force-added."""
     recompute = recompute_settings(train.recompute_granularity)
+    family = family_settings(model)
+    swiglu = Activation(model.activation) == Activation.swiglu
     settings: dict[str, object] = {
         "model.tensor_model_parallel_size": parallel.tensor_model_parallel_size,
         "model.pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
@@ -99,7 +163,23 @@ def nemo1_settings(*, parallel: ParallelSpec, train: TrainSpec) -> dict[str, obj
         "model.activations_checkpoint_granularity": recompute["recompute_granularity"],
         "model.activations_checkpoint_method": recompute["recompute_method"],
         "model.activations_checkpoint_num_layers": recompute["recompute_num_layers"],
+        "model.num_layers": model.num_layers, "model.hidden_size": model.hidden_size,
+        "model.ffn_hidden_size": model.ffn_hidden_size, "model.num_attention_heads": model.num_attention_heads,
+        "model.num_query_groups": model.num_query_groups, "model.kv_channels": model.head_dim,
+        "model.encoder_seq_length": train.seq_length,
+        "model.max_position_embeddings": max(model.max_position_embeddings or 0, train.seq_length),
+        "model.position_embedding_type": model.position_embedding_type,
+        "model.activation": "fast-swiglu" if swiglu else "gelu",
+        "model.normalization": "rmsnorm" if family["normalization"] == "RMSNorm" else "layernorm",
+        "model.layernorm_epsilon": model.norm_epsilon,
+        "model.bias": bool(family["add_bias_linear"]),
+        "model.hidden_dropout": family["hidden_dropout"], "model.attention_dropout": family["attention_dropout"],
+        "model.share_embeddings_and_output_weights": not model.untie_embeddings_and_output_weights,
+        "model.make_vocab_size_divisible_by": MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+        "trainer.precision": _NEMO1_PRECISION[train.precision],
     }
+    if model.position_embedding_type == "rope":
+        settings["++model.rotary_base"] = int(round(model.rotary_base))
     if parallel.use_distributed_optimizer:
         settings["model.optim.name"] = "distributed_fused_adam"
     return settings

@@ -31,6 +31,8 @@ def format_value(value: object, *, quote: bool = False) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, float):
+        return repr(value)  # Hydra types numbers; a quoted one would be a string
     text = str(value)
     if not quote and _HYDRA_BARE.fullmatch(text) and text.lower() not in _HYDRA_KEYWORDS:
         return text

@@ -49,14 +49,14 @@ def rank_fields(row: Sequence[float], report: Any, *, pipeline_rank: int) -> dic
 
 
 def pipeline_fields(columns: dict[str, list[float]], report: Any, *, layout: str | None,
-                    layers_per_stage: Sequence[int], num_gpus: int, tokens_per_step: float | None,
+                    decoder_layers_per_stage: Sequence[int], num_gpus: int, tokens_per_step: float | None,
                     flops_per_token: float | None, peak_tflops_per_gpu: float | None) -> dict:
     """The ``pipeline`` record (without its drift) from the gathered columns and the hook's fresh report."""
     nan_ranks = sorted({i for name in ("step_time_ms", "peak_allocated_bytes") if any(map(finite, columns[name]))
                         for i, v in enumerate(columns[name]) if not finite(v)})
     times = [v for v in columns["step_time_ms"] if finite(v)]
     step_ms = max(times) if times else math.nan
-    out: dict[str, Any] = {"layout": layout, "layers_per_stage": list(layers_per_stage),
+    out: dict[str, Any] = {"layout": layout, "decoder_layers_per_stage": list(decoder_layers_per_stage),
                            "step_time_ms": step_ms, "nan_ranks": nan_ranks,
                            "stage_peak_bytes": columns["peak_allocated_bytes"],
                            "stage_reserved_bytes": columns["peak_reserved_bytes"]}

@@ -27,7 +27,7 @@ class PlanExpectation:
     stage_time_ms: tuple[float, ...]
     """Predicted forward + backward per microbatch per pipeline rank."""
     layout: str
-    layers_per_stage: tuple[int, ...]
+    decoder_layers_per_stage: tuple[int, ...]
     schedule: str
     pipeline_model_parallel_size: int
     num_microbatches: int
@@ -55,7 +55,7 @@ def expectation(document: dict) -> PlanExpectation:
         stage_bytes=tuple(float(s["total_bytes"]) for s in stages),
         stage_time_ms=tuple(float(s["time_ms"]) for s in stages),
         layout=str(best.get("layout", "")),
-        layers_per_stage=tuple(int(x) for x in best.get("layers_per_stage", ())),
+        decoder_layers_per_stage=tuple(int(x) for x in best.get("decoder_layers_per_stage", ())),
         schedule=str(best.get("schedule", "")),
         pipeline_model_parallel_size=int(best["parallel"]["pipeline_model_parallel_size"]),
         num_microbatches=int(best["train"]["num_microbatches"]),

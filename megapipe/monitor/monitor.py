@@ -67,13 +67,13 @@ class TrainingMonitor:
                  drift_threshold: float, warmup_steps: int, topology_check: bool, topology_threshold: float,
                  topology_budget_s: float, expected_link: dict | None, tokens_per_step: float | None,
                  flops_per_token: float | None, peak_tflops_per_gpu: float | None, layout: str | None,
-                 layers_per_stage: Sequence[int] | None, sinks: Sequence[Sink], run_dir: str | None,
+                 decoder_layers_per_stage: Sequence[int] | None, sinks: Sequence[Sink], run_dir: str | None,
                  link_latency_to_hook: bool = False) -> None:
         self.hook, self.rank, self.pipeline_rank, self.num_gpus = hook, rank, pipeline_rank, num_gpus
         self.plan, self.log_every, self.drift_threshold, self.warmup_steps = plan, log_every, drift_threshold, warmup_steps
         self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak_tflops_per_gpu
         self.layout = layout or (plan.layout if plan else None)
-        self.layers_per_stage = tuple(layers_per_stage or (plan.layers_per_stage if plan else ()))
+        self.decoder_layers_per_stage = tuple(decoder_layers_per_stage or (plan.decoder_layers_per_stage if plan else ()))
         self.sinks = list(sinks)
         self.enabled, self.messages, self.last_metrics = True, [], {}
         self.links: list = []
@@ -135,7 +135,7 @@ class TrainingMonitor:
         return {
             "pipeline_rank": self.pipeline_rank, "num_gpus": self.num_gpus, "log_every": self.log_every,
             "pipeline_model_parallel_size": self._pipeline_size(), "layout": self.layout,
-            "layers_per_stage": list(self.layers_per_stage), "tokens_per_step": self.tokens_per_step,
+            "decoder_layers_per_stage": list(self.decoder_layers_per_stage), "tokens_per_step": self.tokens_per_step,
             "flops_per_token": self.flops_per_token, "peak_tflops_per_gpu": self.peak_tflops,
             "num_model_chunks": getattr(self.hook, "num_model_chunks", 1),
             "links": [{"peer": m.peer, "bandwidth_gbytes_per_s": m.bandwidth_gbytes_per_s,
@@ -270,7 +270,7 @@ class TrainingMonitor:
 
     def _pipeline_record(self, rows: list[list[float]], report: Any) -> dict:
         columns = columns_of(rows)
-        out = pipeline_fields(columns, report, layout=self.layout, layers_per_stage=self.layers_per_stage,
+        out = pipeline_fields(columns, report, layout=self.layout, decoder_layers_per_stage=self.decoder_layers_per_stage,
                               num_gpus=self.num_gpus, tokens_per_step=self.tokens_per_step,
                               flops_per_token=self.flops_per_token, peak_tflops_per_gpu=self.peak_tflops)
         out["drift"] = self._drift(out, columns)
@@ -353,5 +353,5 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
         topology_check=topology_check, topology_threshold=float(topology_threshold),
         topology_budget_s=float(topology_budget_s), expected_link=expected_link, tokens_per_step=tokens_per_step,
         flops_per_token=flops_per_token, peak_tflops_per_gpu=peak_tflops_per_gpu, layout=layout,
-        layers_per_stage=None, sinks=sinks, run_dir=run_dir, link_latency_to_hook=p2p_latency_ms is None,
+        decoder_layers_per_stage=None, sinks=sinks, run_dir=run_dir, link_latency_to_hook=p2p_latency_ms is None,
     )

@@ -36,7 +36,7 @@ def build_partition(
     all_kinds = tuple(e.kind for e in layers)
     kinds = tuple(all_kinds[a:b] for a, b in cuts)
     if any(not chunk for chunk in kinds):
-        raise InfeasibleError(f"layers_per_stage={[len(c) for c in kinds]} leaves a stage empty; give each >= 1 entry")
+        raise InfeasibleError(f"entries_per_stage={[len(c) for c in kinds]} leaves a stage empty; give each >= 1 entry")
     # One pass per field, then exact (fsum) sums over slices: the same values as summing each chunk's entries.
     times = [e.fwd_ms + e.bwd_ms for e in layers]
     statics = [e.static_bytes for e in layers]
@@ -47,7 +47,7 @@ def build_partition(
     act = tuple(fsum(acts[a:b]) for a, b in cuts)
     memory = tuple(s + count * a for s, count, a in zip(static, in_flight, act))
     partition = Partition(
-        layers_per_stage=tuple(len(chunk) for chunk in kinds),
+        entries_per_stage=tuple(len(chunk) for chunk in kinds),
         stage_kinds=kinds,
         stage_time_ms=time_ms,
         stage_static_bytes=static,

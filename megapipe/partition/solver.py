@@ -88,26 +88,26 @@ def given_split(
     profile,
     stages: Sequence[StageSpec],
     *,
-    layers_per_stage: Sequence[int],
+    entries_per_stage: Sequence[int],
     num_microbatches: int,
     schedule: str = ScheduleName.one_f_one_b,
     method: str = "given",
 ) -> Partition:
     """The record of a given split (e.g. a user's layout); never raises on memory, see ``fits_memory``."""
     layers = tuple(getattr(profile, "layers", profile))
-    if sum(layers_per_stage) != len(layers) or len(layers_per_stage) % len(stages):
+    if sum(entries_per_stage) != len(layers) or len(entries_per_stage) % len(stages):
         raise ConfigError(
-            f"layers_per_stage={list(layers_per_stage)} must sum to the profile's {len(layers)} entries "
+            f"entries_per_stage={list(entries_per_stage)} must sum to the profile's {len(layers)} entries "
             f"and have a multiple of {len(stages)} stages"
         )
     in_flight = in_flight_counts(
         schedule=schedule,
         pipeline_model_parallel_size=len(stages),
         num_microbatches=num_microbatches,
-        virtual_pipeline_model_parallel_size=len(layers_per_stage) // len(stages),
+        virtual_pipeline_model_parallel_size=len(entries_per_stage) // len(stages),
     )
-    bounds = (0, *itertools.accumulate(layers_per_stage))
-    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=len(stages), num_stages=len(layers_per_stage))
+    bounds = (0, *itertools.accumulate(entries_per_stage))
+    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=len(stages), num_stages=len(entries_per_stage))
     return build_partition(
         layers=layers, stages=stages, bounds=bounds, in_flight=in_flight, ranks=ranks,
         num_microbatches=num_microbatches, schedule=schedule, method=method,

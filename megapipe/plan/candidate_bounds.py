@@ -213,11 +213,12 @@ class CandidateBounds:
         """Peak in-flight microbatches and pipeline rank of every layout stage."""
         par = cand.parallel
         pp, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-        key = (cand.schedule, pp, vp, cand.num_microbatches)
+        key = (cand.schedule, pp, vp, cand.num_microbatches, par.microbatch_group_size_per_vp_stage)
         found = self._layouts.get(key)
         if found is None:
             in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
-                                         num_microbatches=key[3], virtual_pipeline_model_parallel_size=vp)
+                                         num_microbatches=key[3], virtual_pipeline_model_parallel_size=vp,
+                                         microbatch_group_size_per_vp_stage=key[4])
             ranks = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
             found = self._layouts[key] = (in_flight, ranks)
         return found

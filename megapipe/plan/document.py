@@ -47,8 +47,12 @@ def _stats(result: SearchResult) -> dict:
 
 
 def plan_document(*, result: SearchResult, model: ModelSpec, cluster: ClusterSpec, inputs: dict,
-                  emitted: dict | None = None) -> dict:
-    """Everything a run needs to reproduce and check the plan; ``inputs`` is the resolved config."""
+                  emitted: dict | None = None, extra: dict | None = None) -> dict:
+    """Everything a run needs to reproduce and check the plan; ``inputs`` is the resolved config.
+
+    ``best`` is the plan to run (the best one megatron-core runs); ``emitted`` is None for a what-if
+    plan. ``extra``: where the sequence length came from and, on a mixed cluster, each node rank's GPU.
+    """
     best: Plan = result.best
     doc = {
         "format": FORMAT,
@@ -69,14 +73,15 @@ def plan_document(*, result: SearchResult, model: ModelSpec, cluster: ClusterSpe
     }
     if result.hetero_gain is not None:
         doc["hetero_gain_over_equal_split"] = float(f"{result.hetero_gain:.12g}")
-    if emitted is not None:
-        doc["emitted"] = emitted
+    doc.update(extra or {})
+    doc["emitted"] = emitted
     return doc
 
 
 def json_summary(result: SearchResult) -> dict:
     """The one JSON object of ``output.format=json``: plans best first, baseline, search stats."""
     return {
+        "best": result.best.to_dict(),
         "plans": [plan.to_dict() for plan in result.plans],
         "baseline": result.baseline.to_dict() if result.baseline else None,
         "reference": result.reference.to_dict() if result.reference else None,

@@ -75,11 +75,11 @@ class Evaluator:
     def schedule(self, cand: Candidate):
         par = cand.parallel
         key = (cand.schedule, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size,
-               cand.num_microbatches)
+               cand.num_microbatches, par.microbatch_group_size_per_vp_stage)
         found = self._schedules.get(key)
         if found is None:
             found = schedules.build(cand.schedule, pipeline_model_parallel_size=key[1], num_microbatches=key[3],
-                                    virtual_pipeline_model_parallel_size=key[2])
+                                    virtual_pipeline_model_parallel_size=key[2], microbatch_group_size_per_vp_stage=key[4])
             self._schedules[key] = found
         return found
 
@@ -89,6 +89,7 @@ class Evaluator:
             self.costs.profile(cand), list(self.costs.stage_specs(cand, gpus)), num_microbatches=cand.num_microbatches,
             schedule=cand.schedule, virtual_pipeline_model_parallel_size=cand.parallel.virtual_pipeline_model_parallel_size,
             method=method, check_memory=check_memory,
+            microbatch_group_size_per_vp_stage=cand.parallel.microbatch_group_size_per_vp_stage,
         )
 
     def prepare(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
@@ -108,7 +109,7 @@ class Evaluator:
         else:
             part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory)
             layers, choices = self.costs.profile(cand).layers, ()
-        times = stage_times(layers=layers, layers_per_stage=part.layers_per_stage, stage_to_rank=part.stage_to_rank,
+        times = stage_times(layers=layers, entries_per_stage=part.entries_per_stage, stage_to_rank=part.stage_to_rank,
                             specs=specs)
         sums = self._rank_sums(cand, layers, part, times, gpus)
         floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=part.stage_to_rank, fwd_ms=times.fwd_ms,
@@ -136,7 +137,7 @@ class Evaluator:
         fwd = [0.0] * pp
         bwd = [0.0] * pp
         start = 0
-        for stage, count in enumerate(part.layers_per_stage):
+        for stage, count in enumerate(part.entries_per_stage):
             rank = part.stage_to_rank[stage]
             chunk = layers[start:start + count]
             start += count

@@ -19,6 +19,7 @@ from megapipe.plan.money import cost_per_million_tokens, training_cost
 from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.warnings import plan_warnings
 from megapipe.records import ClusterSpec, LayerKind, Partition, Recompute, StageSpec
+from megapipe.schedules import spec
 from megapipe.simulate import SimResult
 from megapipe.units import GIB
 
@@ -54,7 +55,7 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
     return Plan(
         parallel=par, train=train, schedule=cand.schedule, num_microbatches=cand.num_microbatches,
-        layers_per_stage=decoder_counts, layout=part.layout, method=part.method, pipeline_ms=sim.step_time_ms,
+        decoder_layers_per_stage=decoder_counts, layout=part.layout, method=part.method, pipeline_ms=sim.step_time_ms,
         dp_sync_ms=sync_ms, optimizer_ms=optimizer_ms, step_time_s=step_s, tokens_per_s=tokens_per_s,
         tokens_per_s_per_gpu=tokens_per_s / num_gpus,
         mfu=tokens_per_s * flops_per_token / peak_flops,
@@ -65,6 +66,7 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
                                                         price_per_gpu_hour=cluster.price_per_gpu_hour),
         total_cost=training_cost(total_tokens=options.total_tokens, tokens_per_s=tokens_per_s, num_gpus=num_gpus,
                                  price_per_gpu_hour=cluster.price_per_gpu_hour),
+        what_if=par.pipeline_model_parallel_size > 1 and not spec(cand.schedule).megatron_runs,
         feasible=over_gib == 0.0, memory_over_gib=over_gib,
         warnings=warnings, stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
         stage_recompute=stage_recompute, partition=part, simulation=sim,

@@ -6,7 +6,18 @@ from dataclasses import dataclass, field
 
 from megapipe.records import ParallelSpec, Partition, TrainSpec
 
-__all__ = ["SearchOptions", "Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult"]
+__all__ = ["Reference", "SearchOptions", "Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult"]
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reference:
+    """A published configuration to evaluate beside the best plan."""
+
+    label: str
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    reported_tokens_per_s_per_gpu: float | None = None
+    source: str = ""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SearchOptions:
@@ -18,7 +29,8 @@ class SearchOptions:
     allow_cross_node_tp: bool = False
     bubble_target: tuple[float, float] | None = None
     """[low, high]: per layout, keep the micro-batch size whose bubble falls in this range."""
-    bubble_warning_range: tuple[float, float] = (0.12, 0.15)
+    bubble_warning_range: tuple[float, float] | None = None
+    """Warn when a pipelined plan's bubble falls outside [low, high]; None warns never."""
     ignore_memory_limit: bool = False
     """Keep plans that do not fit, flagged infeasible with the GiB over."""
     max_pipeline_model_parallel_size: int | None = None
@@ -27,12 +39,15 @@ class SearchOptions:
     max_virtual_pipeline_model_parallel_size: int = 4
     per_stage_recompute: bool = False
     """Also try, per layout with one chunk per rank, a recompute setting per pipeline rank (AdaPipe)."""
-    megatron_schedules_only: bool = False
-    """Search only the schedules megatron-core runs (1f1b, interleaved_1f1b)."""
+    what_if_schedules: bool = False
+    """Also search the schedules megatron-core cannot run; by default only 1f1b and interleaved_1f1b (and any
+    schedule the user pins) are searched."""
     context_parallel_min_seq_length: int = 16384
     """Context parallelism is searched only from this sequence length up (ring attention pays off)."""
     total_tokens: float = 2.0e12
     """Tokens of the whole training run, for the total cost."""
+    reference: Reference | None = None
+    """Shown beside the best plan when set (``search.reference``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,7 +110,7 @@ class Plan:
     train: TrainSpec
     schedule: str
     num_microbatches: int
-    layers_per_stage: tuple[int, ...]
+    decoder_layers_per_stage: tuple[int, ...]
     """Decoder layers per layout stage (vp-major)."""
     layout: str
     method: str
@@ -118,6 +133,8 @@ class Plan:
     cost_per_million_tokens: float
     total_cost: float
     """Dollars for SearchOptions.total_tokens at the cluster's price."""
+    what_if: bool = False
+    """True when megatron-core cannot run this schedule as simulated (pipelined ZB-H1/H2, ZB-V, DualPipeV)."""
     feasible: bool = True
     memory_over_gib: float = 0.0
     """How far the fullest rank exceeds its usable memory (0 when it fits)."""
@@ -157,6 +174,8 @@ class Plan:
                 "data_parallel_size": par.data_parallel_size,
                 "sequence_parallel": par.sequence_parallel,
                 "use_distributed_optimizer": par.use_distributed_optimizer,
+                **({"microbatch_group_size_per_vp_stage": par.microbatch_group_size_per_vp_stage}
+                   if par.microbatch_group_size_per_vp_stage and par.virtual_pipeline_model_parallel_size > 1 else {}),
             },
             "train": {
                 "micro_batch_size": train.micro_batch_size,
@@ -168,7 +187,7 @@ class Plan:
             },
             "schedule": str(self.schedule),
             "method": self.method,
-            "layers_per_stage": list(self.layers_per_stage),
+            "decoder_layers_per_stage": list(self.decoder_layers_per_stage),
             "layout": self.layout,
             "step_time_s": _round(self.step_time_s),
             "pipeline_ms": _round(self.pipeline_ms),
@@ -183,6 +202,7 @@ class Plan:
             "memory_cv": _round(self.memory_cv),
             "cost_per_million_tokens": _round(self.cost_per_million_tokens),
             "total_cost": _round(self.total_cost),
+            "what_if": self.what_if,
             "feasible": self.feasible,
             "memory_over_gib": _round(self.memory_over_gib),
             "warnings": list(self.warnings),
@@ -222,7 +242,10 @@ class SearchStats:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SearchResult:
     plans: tuple[Plan, ...]
-    """Best first."""
+    """Best first; what-if plans (schedules megatron-core cannot run) only when asked for."""
+    chosen: Plan | None = None
+    """The plan to run: the best one megatron-core runs (the first plan unless what-if plans outrank it);
+    what the plan dir's files are written for. None means the first plan."""
     baseline: Plan | None = None
     """The best plan's configuration with layers split equally (Megatron's default)."""
     reference: Plan | None = None
@@ -235,7 +258,8 @@ class SearchResult:
 
     @property
     def best(self) -> Plan:
-        return self.plans[0]
+        """The plan to run (:attr:`chosen`)."""
+        return self.chosen or self.plans[0]
 
 
 def _round(value: float) -> float:

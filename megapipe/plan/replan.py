@@ -127,13 +127,13 @@ def _spread(layers: Sequence[LayerCost], attr: str, target: float) -> list[float
     return [target / len(layers)] * len(layers)
 
 
-def kind_factors(profile: Profile, *, layers_per_stage: Sequence[int], attr: str,
+def kind_factors(profile: Profile, *, entries_per_stage: Sequence[int], attr: str,
                  measured_ms: Sequence[float]) -> dict:
     """Per-kind multipliers ``a`` of ``attr`` closest to 1 that reproduce the measured stage sums (module doc)."""
     kinds = sorted({layer.kind for layer in profile.layers}, key=lambda kind: kind.value)
-    matrix = np.zeros((len(layers_per_stage), len(kinds)))
+    matrix = np.zeros((len(entries_per_stage), len(kinds)))
     start = 0
-    for stage, count in enumerate(layers_per_stage):
+    for stage, count in enumerate(entries_per_stage):
         for layer in profile.layers[start:start + count]:
             matrix[stage, kinds.index(layer.kind)] += getattr(layer, attr)
         start += count
@@ -143,33 +143,33 @@ def kind_factors(profile: Profile, *, layers_per_stage: Sequence[int], attr: str
 
 
 def _by_kind(profile: Profile, counts: Sequence[int], forward: Sequence[float], backward: Sequence[float]) -> Profile:
-    fwd = kind_factors(profile, layers_per_stage=counts, attr="fwd_ms", measured_ms=forward)
-    bwd = kind_factors(profile, layers_per_stage=counts, attr="bwd_ms", measured_ms=backward)
+    fwd = kind_factors(profile, entries_per_stage=counts, attr="fwd_ms", measured_ms=forward)
+    bwd = kind_factors(profile, entries_per_stage=counts, attr="bwd_ms", measured_ms=backward)
     layers = tuple(dataclasses.replace(layer, fwd_ms=layer.fwd_ms * fwd[layer.kind],
                                        bwd_ms=layer.bwd_ms * bwd[layer.kind], wgrad_ms=layer.wgrad_ms * bwd[layer.kind])
                    for layer in profile.layers)
     return dataclasses.replace(profile, layers=layers)
 
 
-def attribute_times(profile: Profile, *, layers_per_stage: Sequence[int], stage_forward_ms: Sequence[float],
+def attribute_times(profile: Profile, *, entries_per_stage: Sequence[int], stage_forward_ms: Sequence[float],
                     stage_backward_ms: Sequence[float], stage_time_scale: Sequence[float] | None = None,
                     attribution: str = "stage", corrected_from: str = "measured run") -> Profile:
     """Profile whose entries' times sum, per stage, to the measured ones (divided by the stage's time_scale).
 
     ``corrected_from`` names the measurements in the profile's meta (the monitor log format).
     """
-    if not (len(layers_per_stage) == len(stage_forward_ms) == len(stage_backward_ms)):
-        raise ConfigError(f"{len(stage_forward_ms)} measured stages for a layout of {len(layers_per_stage)} stages; "
+    if not (len(entries_per_stage) == len(stage_forward_ms) == len(stage_backward_ms)):
+        raise ConfigError(f"{len(stage_forward_ms)} measured stages for a layout of {len(entries_per_stage)} stages; "
                           "replan with the monitor log of the run that used this layout")
     if attribution not in ATTRIBUTIONS:
         raise ConfigError(f"attribution={attribution!r} is not known; use one of {', '.join(ATTRIBUTIONS)}")
-    scales = tuple(stage_time_scale or (1.0,) * len(layers_per_stage))
+    scales = tuple(stage_time_scale or (1.0,) * len(entries_per_stage))
     source = profile
     if attribution == "kind":
-        profile = _by_kind(profile, layers_per_stage, [f / c for f, c in zip(stage_forward_ms, scales)],
+        profile = _by_kind(profile, entries_per_stage, [f / c for f, c in zip(stage_forward_ms, scales)],
                            [b / c for b, c in zip(stage_backward_ms, scales)])
     layers, start = [], 0
-    for stage, count in enumerate(layers_per_stage):
+    for stage, count in enumerate(entries_per_stage):
         chunk = profile.layers[start:start + count]
         start += count
         forward = _spread(chunk, "fwd_ms", stage_forward_ms[stage] / scales[stage])
@@ -187,9 +187,9 @@ def attribute_memory(profile: Profile, *, old: Partition, rank_peak_bytes: Seque
     if len(rank_peak_bytes) != len(predicted):
         raise ConfigError(f"{len(rank_peak_bytes)} measured rank peaks for pipeline_model_parallel_size="
                           f"{len(predicted)}; replan with this run's monitor log")
-    ranks = old.stage_to_rank or tuple(s % old.pipeline_model_parallel_size for s in range(len(old.layers_per_stage)))
+    ranks = old.stage_to_rank or tuple(s % old.pipeline_model_parallel_size for s in range(len(old.entries_per_stage)))
     layers, start = [], 0
-    for stage, count in enumerate(old.layers_per_stage):
+    for stage, count in enumerate(old.entries_per_stage):
         want, have = rank_peak_bytes[ranks[stage]], predicted[ranks[stage]]
         factor = want / have if have > 0 else 1.0
         for layer in profile.layers[start:start + count]:
@@ -200,7 +200,7 @@ def attribute_memory(profile: Profile, *, old: Partition, rank_peak_bytes: Seque
 
 
 def _step_ms(profile: Profile, part: Partition, stages: Sequence[StageSpec], schedule, p2p: P2PCost) -> float:
-    times = stage_times(layers=profile.layers, layers_per_stage=part.layers_per_stage,
+    times = stage_times(layers=profile.layers, entries_per_stage=part.entries_per_stage,
                         stage_to_rank=schedule.stage_to_rank, specs=stages)
     return simulate(schedule, times, p2p=p2p).step_time_ms
 
@@ -225,13 +225,13 @@ def replan(profile: Profile, run: MeasuredRun, *, stages: Sequence[StageSpec], s
                           f"pipeline_model_parallel_size={pp}")
     ranks = spec(schedule).stage_to_rank(pipeline_model_parallel_size=pp, num_stages=len(counts))
     scales = [stages[rank].time_scale for rank in ranks]
-    corrected = attribute_times(profile, layers_per_stage=counts, stage_forward_ms=run.stage_forward_ms,
+    corrected = attribute_times(profile, entries_per_stage=counts, stage_forward_ms=run.stage_forward_ms,
                                 stage_backward_ms=run.stage_backward_ms, stage_time_scale=scales,
                                 attribution=attribution, corrected_from=corrected_from)
-    old = given_split(corrected, stages, layers_per_stage=counts, num_microbatches=num_microbatches, schedule=schedule)
+    old = given_split(corrected, stages, entries_per_stage=counts, num_microbatches=num_microbatches, schedule=schedule)
     if run.rank_peak_bytes:
         corrected = attribute_memory(corrected, old=old, rank_peak_bytes=run.rank_peak_bytes)
-        old = given_split(corrected, stages, layers_per_stage=counts, num_microbatches=num_microbatches,
+        old = given_split(corrected, stages, entries_per_stage=counts, num_microbatches=num_microbatches,
                           schedule=schedule)
     vp = len(counts) // pp
     new = solve(corrected, stages, num_microbatches=num_microbatches, schedule=schedule,

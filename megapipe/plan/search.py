@@ -30,25 +30,23 @@ not on its bound, so step 3 is skipped.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-from megapipe.errors import ConfigError, InfeasibleError, ScheduleError
+from megapipe.errors import ConfigError, InfeasibleError, MegapipeError, ScheduleError
 from megapipe.plan.evaluator import Evaluator, Prepared
 from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
 from megapipe.plan.rank import rank_plans, score
-from megapipe.plan.plans import Candidate, Plan, SearchOptions, SearchResult, SearchStats
+from megapipe.plan.plans import Candidate, Plan, Reference, SearchOptions, SearchResult, SearchStats
 from megapipe.plan.space import Point, Space, enumerate_candidates
 from megapipe.records import Profile
 from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 from megapipe.schedules import SPECS, ScheduleName
 
-__all__ = ["search", "reference_candidate", "REFERENCE"]
-
-REFERENCE = {"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 8}
-"""The write-ups' 70B configuration (TP=4, PP=8, DP=rest, 1F1B, micro-batch 1, SP)."""
+__all__ = ["search", "reference_candidate"]
 
 
 def search(
@@ -60,6 +58,7 @@ def search(
     options: SearchOptions = SearchOptions(),
     profile: Profile | None = None,
     use_distributed_optimizer: bool = True,
+    microbatch_group_size_per_vp_stage: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> SearchResult:
     """Best plans first, with the equal-split baseline of the best and the reference configuration."""
@@ -67,23 +66,54 @@ def search(
     _check_cluster(cluster)
     evaluator = Evaluator(model=model, cluster=cluster, options=options, profile=profile)
     space = enumerate_candidates(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
-                                 use_distributed_optimizer=use_distributed_optimizer)
+                                 use_distributed_optimizer=use_distributed_optimizer,
+                                 microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
     pruned = Counter(space.pruned)
     bounded = _bound_all(evaluator, space, pruned)
     plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, pruned, progress)
     if not plans:
         raise InfeasibleError(_no_plan_message(model, cluster, train, pruned, memory_floor))
     ranked = rank_plans(plans, objective=options.objective, top_k=options.top_k, bubble_target=options.bubble_target)
-    best = ranked[0]
-    baseline = _try(evaluator, _candidate_of(best), method="equal", gpus=_gpus_of(evaluator, best))
-    reference = _reference(evaluator, train, use_distributed_optimizer)
+    if options.bubble_target is not None:
+        _check_bubble_target(ranked, options.bubble_target)
+    chosen = next((plan for plan in ranked if not plan.what_if), None)
+    if chosen is None and options.what_if_schedules and "schedule" not in (fixed or {}):
+        chosen = _best_runnable(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
+                                profile=profile, use_distributed_optimizer=use_distributed_optimizer,
+                                microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+    chosen = chosen or ranked[0]
+    baseline = _try(evaluator, _candidate_of(chosen), method="equal", gpus=_gpus_of(evaluator, chosen))
+    if baseline is not None and baseline.feasible and score(baseline, options.objective) < score(chosen, options.objective):
+        # The equal split simulates faster (the min-max split only bounds the step): plan with it.
+        ranked = rank_plans([baseline if plan is chosen else plan for plan in ranked], objective=options.objective,
+                            top_k=options.top_k)
+        chosen = baseline
+    reference = _reference(evaluator, options, train, use_distributed_optimizer)
     stats = SearchStats(enumerated=space.enumerated, evaluated=len(bounded), partitioned=work["partitioned"],
                         simulated=work["simulated"], pruned=tuple(sorted(pruned.items())),
                         seconds=time.perf_counter() - started)
-    gain = best.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
-    return SearchResult(plans=ranked, baseline=baseline, reference=reference, stats=stats,
-                        profile=evaluator.costs.profile(_candidate_of(best)),
+    gain = chosen.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
+    return SearchResult(plans=ranked, chosen=chosen, baseline=baseline, reference=reference, stats=stats,
+                        profile=evaluator.costs.profile(_candidate_of(chosen)),
                         hetero_gain=gain if cluster.is_heterogeneous else None)
+
+
+def _best_runnable(*, options: SearchOptions, **inputs) -> Plan | None:
+    """The best plan among the schedules megatron-core runs, when every ranked plan is a what-if."""
+    try:
+        return search(options=dataclasses.replace(options, what_if_schedules=False, top_k=1), **inputs).best
+    except InfeasibleError:
+        return None
+
+
+def _check_bubble_target(ranked: tuple[Plan, ...], target: tuple[float, float]) -> None:
+    low, high = target
+    if not any(low <= plan.bubble_fraction <= high for plan in ranked):
+        nearest = min(ranked, key=lambda plan: max(low - plan.bubble_fraction, plan.bubble_fraction - high))
+        raise InfeasibleError(
+            f"no plan's bubble lies in search.bubble_target=[{low:g}, {high:g}]; the nearest is "
+            f"{nearest.bubble_fraction:.1%} ({nearest.schedule}, micro-batch {nearest.train.micro_batch_size}); "
+            "widen the range or leave search.bubble_target null")
 
 
 def _check_cluster(cluster: ClusterSpec) -> None:
@@ -234,7 +264,7 @@ def _try(evaluator: Evaluator, cand: Candidate, *, method: str, gpus=None) -> Pl
     """A comparison plan, kept (flagged infeasible) even when it does not fit."""
     try:
         return evaluator.evaluate(cand, method=method, gpus=gpus, check_memory=False)
-    except (InfeasibleError, ScheduleError):
+    except (InfeasibleError, ScheduleError, ConfigError):
         return None
 
 
@@ -246,29 +276,40 @@ def _gpus_of(evaluator: Evaluator, plan: Plan):
     return gpus_by_name(evaluator.cluster, plan.stage_gpus) if plan.stage_gpus else None
 
 
-def reference_candidate(*, cluster: ClusterSpec, train: TrainSpec, use_distributed_optimizer: bool = True
-                        ) -> Candidate | None:
-    """TP=4, PP=8, DP = the rest, 1F1B, micro-batch 1, no recompute, SP; None if it does not fit the cluster."""
-    tp, pp = REFERENCE["tensor_model_parallel_size"], REFERENCE["pipeline_model_parallel_size"]
+def reference_candidate(reference: Reference, *, cluster: ClusterSpec, train: TrainSpec,
+                        use_distributed_optimizer: bool = True) -> Candidate | None:
+    """The reference's TP and PP, DP = the rest, 1F1B, micro-batch 1, no recompute, SP; None if it does not fit."""
+    tp, pp = reference.tensor_model_parallel_size, reference.pipeline_model_parallel_size
     if cluster.num_gpus % (tp * pp) or cluster.gpus_per_node % tp:
         return None
     dp = cluster.num_gpus // (tp * pp)
     if train.global_batch_size % dp:
         return None
     parallel = ParallelSpec(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                            sequence_parallel=True, use_distributed_optimizer=use_distributed_optimizer)
+                            sequence_parallel=tp > 1, use_distributed_optimizer=use_distributed_optimizer)
     fixed_train = TrainSpec(micro_batch_size=1, global_batch_size=train.global_batch_size, seq_length=train.seq_length,
-                     recompute_granularity=Recompute.none, precision=train.precision)
+                            recompute_granularity=Recompute.none, precision=train.precision)
     return Candidate(parallel=parallel, train=fixed_train, schedule=ScheduleName.one_f_one_b)
 
 
-def _reference(evaluator: Evaluator, train: TrainSpec, use_distributed_optimizer: bool) -> Plan | None:
-    cand = reference_candidate(cluster=evaluator.cluster, train=train,
+def _reference(evaluator: Evaluator, options: SearchOptions, train: TrainSpec,
+               use_distributed_optimizer: bool) -> Plan | None:
+    """The reference evaluated as the search evaluates (memory-checked), flagged infeasible only when it cannot fit."""
+    if options.reference is None:
+        return None
+    cand = reference_candidate(options.reference, cluster=evaluator.cluster, train=train,
                                use_distributed_optimizer=use_distributed_optimizer)
-    if cand is None or evaluator.model.num_layers < REFERENCE["pipeline_model_parallel_size"]:
+    if cand is None or evaluator.model.num_layers < cand.parallel.pipeline_model_parallel_size:
         return None
     choices = placements(evaluator.cluster, cand.parallel)
-    return _try(evaluator, cand, method="optimal", gpus=choices[0] if choices else None) if choices else None
+    if not choices:
+        return None
+    try:
+        return evaluator.evaluate(cand, gpus=choices[0])
+    except InfeasibleError:
+        return _try(evaluator, cand, method="optimal", gpus=choices[0])
+    except MegapipeError:  # the model does not divide over the reference's sizes
+        return None
 
 
 def _no_plan_message(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, pruned: Counter,

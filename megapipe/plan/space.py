@@ -72,6 +72,8 @@ class Space:
     train: TrainSpec
     """global_batch_size, seq_length and precision of every candidate."""
     use_distributed_optimizer: bool = True
+    microbatch_group_size_per_vp_stage: int | None = None
+    """Megatron's interleaving group (``parallel.microbatch_group_size_per_vp_stage``); P when None."""
     _records: dict = field(default_factory=dict, compare=False, repr=False)
     """ParallelSpec and TrainSpec records already built, by their fields: points share them."""
 
@@ -86,6 +88,8 @@ class Space:
                 virtual_pipeline_model_parallel_size=point.virtual_pipeline_model_parallel_size,
                 context_parallel_size=point.context_parallel_size, data_parallel_size=point.data_parallel_size,
                 sequence_parallel=point.sequence_parallel, use_distributed_optimizer=self.use_distributed_optimizer,
+                microbatch_group_size_per_vp_stage=(self.microbatch_group_size_per_vp_stage
+                                                    if point.virtual_pipeline_model_parallel_size > 1 else None),
             )
         spec = self._records.get(train_key)
         if spec is None:
@@ -114,9 +118,6 @@ def _check_fixed(fixed: Mapping[str, object], options: SearchOptions) -> None:
     schedule = fixed.get("schedule")
     if schedule is not None and schedule not in SCHEDULE_NAMES:
         raise ConfigError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULE_NAMES)} or all")
-    if schedule is not None and options.megatron_schedules_only and schedule not in MEGATRON_SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r} with search.megatron_schedules_only=true: megatron-core runs only "
-                          f"{' and '.join(MEGATRON_SCHEDULES)}; pick one of them or set the option false")
 
 
 def _tp_values(model: ModelSpec, cluster: ClusterSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
@@ -148,6 +149,7 @@ def enumerate_candidates(
     fixed: Mapping[str, object] | None = None,
     options: SearchOptions = SearchOptions(),
     use_distributed_optimizer: bool = True,
+    microbatch_group_size_per_vp_stage: int | None = None,
 ) -> Space:
     """All points that pass the closed-form rules; ``fixed`` pins dimensions by name.
 
@@ -167,7 +169,7 @@ def enumerate_candidates(
             for pp in _pp_values(world, tp * cp, model, fixed, options):
                 dp = world // (tp * cp * pp)
                 for point in _inner(model=model, train=train, fixed=fixed, options=options, tp=tp, cp=cp, pp=pp,
-                                    dp=dp, shape_ok=shape_ok):
+                                    dp=dp, shape_ok=shape_ok, group=microbatch_group_size_per_vp_stage):
                     enumerated += 1
                     if isinstance(point, str):  # the reason it was pruned
                         pruned[point] += 1
@@ -176,7 +178,8 @@ def enumerate_candidates(
     if not enumerated:
         raise ConfigError(_no_fit_message(world, fixed))
     return Space(points=tuple(out), pruned=pruned, enumerated=enumerated, train=train,
-                 use_distributed_optimizer=use_distributed_optimizer)
+                 use_distributed_optimizer=use_distributed_optimizer,
+                 microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
 
 
 def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
@@ -194,14 +197,14 @@ def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options
     return values
 
 
-def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok) -> Iterator[Point | str]:
+def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok, group) -> Iterator[Point | str]:
     """Every point of one TP x CP x PP, or the reason it is pruned (``shape_ok``: the TP and CP rules hold).
 
     Reasons, first that applies: ``microbatches`` (the global batch does not divide), ``divisibility``
     (Megatron's shape rules, and at least one decoder per virtual stage), ``microbatches`` (the
     schedule's own rule, :meth:`~megapipe.schedules.ScheduleSpec.searchable`).
     """
-    searched = MEGATRON_SCHEDULES if options.megatron_schedules_only else SCHEDULE_NAMES
+    searched = SCHEDULE_NAMES if options.what_if_schedules else MEGATRON_SCHEDULES
     schedules = _values(fixed, "schedule", searched if pp > 1 else (ScheduleName.one_f_one_b,))
     mbs_values = _values(fixed, "micro_batch_size", options.micro_batch_sizes)
     recomputes = tuple(Recompute(value) for value in _values(fixed, "recompute_granularity", _RECOMPUTE))
@@ -223,7 +226,9 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok) -> Iterato
                     continue
                 m = train.global_batch_size // (mbs * dp)
                 reason = "" if divisible else "divisibility"
-                if not reason and not item.searchable(pipeline_model_parallel_size=pp, num_microbatches=m):
+                if not reason and not item.searchable(
+                        pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=vp,
+                        microbatch_group_size_per_vp_stage=group):
                     reason = "microbatches"
                 per_stage = (options.per_stage_recompute and vp == 1 and pp > 1
                              and "recompute_granularity" not in fixed)

@@ -2,8 +2,8 @@
 
 - Pipelines deeper than 8 stages: p2p latency and the (p-1) fill/drain grow with p,
   and Megatron's own recipes stay at PP <= 8 for dense models.
-- Bubble outside ``bubble_warning_range`` (default [0.12, 0.15]): a smaller bubble
-  usually means micro-batches too small for GEMM efficiency, a larger one wasted time.
+- Bubble outside ``search.bubble_warning_range`` when one is set (none by default), with
+  pipelining only.
 - Tensor parallelism across nodes: TP all-reduces every layer, so it needs NVLink.
 - Long context (>= 128k tokens) with a deep pipeline: each in-flight microbatch holds
   s-proportional activations on the first stage, which context parallelism shards
@@ -28,20 +28,21 @@ def plan_warnings(
     cluster: ClusterSpec,
     bubble_fraction: float,
     num_microbatches: int,
-    bubble_warning_range: tuple[float, float] = (0.12, 0.15),
+    bubble_warning_range: tuple[float, float] | None = None,
     memory_over_gib: float = 0.0,
 ) -> tuple[str, ...]:
     """One short sentence per hazard, in a fixed order."""
     pp = parallel.pipeline_model_parallel_size
     tp = parallel.tensor_model_parallel_size
-    low, high = bubble_warning_range
     out: list[str] = []
     if memory_over_gib > 0:
         out.append(f"does not fit: the fullest rank needs {memory_over_gib:.1f} GiB more than usable memory")
     if pp > MAX_PIPELINE_DEPTH:
         out.append(f"pipeline_model_parallel_size={pp} > {MAX_PIPELINE_DEPTH}: deep pipeline, p2p latency dominates")
-    if not low <= bubble_fraction <= high:
-        out.append(f"bubble {bubble_fraction:.1%} outside [{low:.0%}, {high:.0%}]")
+    if bubble_warning_range is not None and pp > 1:
+        low, high = bubble_warning_range
+        if not low <= bubble_fraction <= high:
+            out.append(f"bubble {bubble_fraction:.1%} outside search.bubble_warning_range [{low:.0%}, {high:.0%}]")
     if tp > cluster.gpus_per_node:
         out.append(f"tensor_model_parallel_size={tp} spans nodes ({cluster.gpus_per_node} GPUs per node)")
     if train.seq_length >= LONG_CONTEXT and pp > _DEEP_FOR_LONG_CONTEXT:

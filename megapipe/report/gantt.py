@@ -43,7 +43,7 @@ def gantt_png(result: SimResult, path: str, *, title: str | None = None, label_o
     axes.set_xlabel("time (ms)")
     axes.set_title(title or (
         f"{schedule.name}: P={schedule.pipeline_model_parallel_size}, m={schedule.num_microbatches}, "
-        f"step {result.step_time_ms:.3g} ms, bubble {100 * result.bubble_fraction:.1f}%"
+        f"step {result.step_time_ms:,.1f} ms, bubble {100 * result.bubble_fraction:.1f}%"
     ))
     used = {a.kind for order in schedule.orders for a in order}
     handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLOURS[k]) for k in KIND_COLOURS if k in used]

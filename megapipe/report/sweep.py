@@ -1,4 +1,4 @@
-"""Gather plan dirs (each with a megapipe-plan/1 ``plan.yaml``) into one table.
+"""Gather plan dirs (each with a megapipe-plan/1 ``plan.yaml``) into one table, and the sweep jobs that failed.
 
 A Hydra multirun writes one plan dir per job under the sweep dir; :func:`gather` finds
 them all, and :func:`write_tables` writes ``sweep.csv`` (and ``sweep.parquet`` when
@@ -11,12 +11,9 @@ import csv
 import io
 import os
 
-import yaml
-
 from megapipe.errors import ConfigError
-from megapipe.plan.document import FORMAT
 from megapipe.units import GIB
-from megapipe.io import atomic_write_bytes, atomic_write_text
+from megapipe.io import FAILED_FILE, PLAN_FILE, atomic_write_bytes, atomic_write_text, read_plan
 
 __all__ = ["COLUMNS", "find_plans", "gather", "write_tables"]
 
@@ -29,15 +26,17 @@ COLUMNS = (
 )
 
 
-def find_plans(root: str) -> list[str]:
-    """Every plan.yaml under ``root``, sorted."""
+def find_plans(root: str) -> tuple[list[str], list[str]]:
+    """Every plan directory under ``root`` and every failed job's directory, sorted."""
     if not os.path.isdir(root):
         raise ConfigError(f"report input {root!r} is not a directory; pass a plan or sweep dir")
-    found = []
+    found, failed = [], []
     for directory, _, files in os.walk(root):
-        if "plan.yaml" in files:
-            found.append(os.path.join(directory, "plan.yaml"))
-    return sorted(found)
+        if PLAN_FILE in files:
+            found.append(directory)
+        elif FAILED_FILE in files:
+            failed.append(directory)
+    return sorted(found), sorted(failed)
 
 
 def _row(path: str, doc: dict) -> dict:
@@ -61,18 +60,17 @@ def _row(path: str, doc: dict) -> dict:
     }
 
 
-def gather(root: str) -> list[dict]:
-    """One row per plan dir under ``root``; raises ConfigError when there is none."""
-    rows = []
-    for path in find_plans(root):
-        with open(path, encoding="utf-8") as handle:
-            doc = yaml.safe_load(handle)
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ConfigError(f"{path}: not a {FORMAT} file; remove it or re-run megapipe plan")
-        rows.append(_row(path, doc))
-    if not rows:
+def gather(root: str) -> tuple[list[dict], list[dict]]:
+    """One row per plan dir under ``root``, and one ``{plan_dir, error}`` per failed job; ConfigError when empty."""
+    plans, failures = find_plans(root)
+    rows = [_row(os.path.join(directory, PLAN_FILE), read_plan(directory)) for directory in plans]
+    failed = []
+    for directory in failures:
+        with open(os.path.join(directory, FAILED_FILE), encoding="utf-8") as handle:
+            failed.append({"plan_dir": directory, "error": handle.read().strip()})
+    if not rows and not failed:
         raise ConfigError(f"no plan.yaml under {root!r}; run `megapipe plan -m ...` first")
-    return sorted(rows, key=lambda r: (r["model"], r["cluster"], r["seq_length"], r["plan_dir"]))
+    return sorted(rows, key=lambda r: (r["model"], r["cluster"], r["seq_length"], r["plan_dir"])), failed
 
 
 def write_tables(rows: list[dict], directory: str) -> list[str]:

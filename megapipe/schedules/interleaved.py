@@ -129,5 +129,4 @@ SPEC = ScheduleSpec(
     flushed_bubble=lambda pp, m, v: (pp - 1) / (v * m + pp - 1),
     in_flight=interleaved_in_flight,
     sizes_ok=interleaved_sizes_ok,
-    microbatches_multiple_of_stages=True,
 )

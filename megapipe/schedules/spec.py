@@ -120,8 +120,6 @@ class ScheduleSpec:
     sizes_ok: SizesOk
     min_microbatches_per_stage: int = 0
     """The search skips m < this x P: V schedules need 2P microbatches to reach their steady state."""
-    microbatches_multiple_of_stages: bool = False
-    """Megatron's interleaving needs m to be a multiple of P (the default microbatch group)."""
     bound_class: tuple = field(init=False)
     """What the planner's closed-form bounds of a candidate depend on; schedules that share it share them."""
     memory_class: tuple = field(init=False)
@@ -147,12 +145,13 @@ class ScheduleSpec:
             return (self.fixed_chunks,)
         return tuple(range(2, max_virtual + 1)) if pipeline_model_parallel_size > 1 else ()
 
-    def searchable(self, *, pipeline_model_parallel_size: int, num_microbatches: int) -> bool:
-        """Whether the search keeps m microbatches on P stages (the spec's microbatch rules)."""
+    def searchable(self, *, pipeline_model_parallel_size: int, num_microbatches: int,
+                   virtual_pipeline_model_parallel_size: int, microbatch_group_size_per_vp_stage: int | None) -> bool:
+        """Whether the search keeps these sizes: the builder accepts them and the steady state is reached."""
         pp, m = pipeline_model_parallel_size, num_microbatches
         if m < self.min_microbatches_per_stage * pp:
             return False
-        return not (self.microbatches_multiple_of_stages and m % pp)
+        return self.sizes_ok(pp, m, virtual_pipeline_model_parallel_size, microbatch_group_size_per_vp_stage or pp)
 
     def loss_rank(self, pipeline_model_parallel_size: int) -> int:
         """The pipeline rank of the last layout stage (the loss): P - 1 in a loop, 0 at the top of a V."""

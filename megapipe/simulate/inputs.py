@@ -18,16 +18,16 @@ from megapipe.simulate.result import P2PCost, StageTimes
 __all__ = ["stage_times", "pipeline_link", "p2p_cost"]
 
 
-def stage_times(*, layers: Sequence[LayerCost], layers_per_stage: Sequence[int], stage_to_rank: Sequence[int],
+def stage_times(*, layers: Sequence[LayerCost], entries_per_stage: Sequence[int], stage_to_rank: Sequence[int],
                 specs: Sequence[StageSpec]) -> StageTimes:
     """Per layout stage: F, B, W of its layers times its rank's ``time_scale``, and its activation bytes.
 
-    ``layers_per_stage`` counts consecutive entries of ``layers`` (a ``Partition``'s split);
+    ``entries_per_stage`` counts consecutive entries of ``layers`` (a ``Partition``'s split);
     ``stage_to_rank`` maps each layout stage to the pipeline rank whose ``specs`` entry applies.
     """
     fwd, bwd, wgrad, act = [], [], [], []
     start = 0
-    for stage, count in enumerate(layers_per_stage):
+    for stage, count in enumerate(entries_per_stage):
         scale = specs[stage_to_rank[stage]].time_scale
         chunk = layers[start:start + count]
         start += count

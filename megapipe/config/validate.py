@@ -1,0 +1,144 @@
+"""Checks across the config groups, once, at the boundary: every bad value gets one ConfigError naming it and the fix.
+
+Hydra's schemas reject a mistyped key of a known group and values of the wrong type; these
+checks reject what a schema cannot: keys added with ``+`` that megapipe does not know, sizes
+that are zero, negative, not finite or beyond what megapipe plans, and fractions outside (0, 1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+
+from omegaconf import DictConfig, ListConfig
+
+import megapipe.config.schema as schema
+from megapipe.errors import ConfigError
+from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec
+
+__all__ = ["MAX_LAYERS", "MAX_GPUS", "MAX_SEQ_LENGTH", "check_known_keys", "check_model", "check_gpu",
+           "check_link", "check_cluster", "positive_int", "check_fraction_pair"]
+
+MAX_LAYERS = 4096
+"""More decoder layers than any published model by 10x; the partition solver's tables grow with it."""
+MAX_GPUS = 1 << 20
+MAX_SEQ_LENGTH = 1 << 24
+
+_GROUPS = {
+    "model": schema.ModelConfig, "cluster": schema.ClusterConfig, "parallel": schema.ParallelConfig,
+    "train": schema.TrainConfig, "schedule": schema.ScheduleConfig, "search": schema.SearchConfig,
+    "output": schema.OutputConfig,
+}
+_NESTED = {("cluster", "gpu"): schema.GpuConfig, ("cluster", "intra_node"): schema.LinkConfig,
+           ("cluster", "inter_node"): schema.LinkConfig}
+
+
+def _names(schema_class) -> set[str]:
+    return {item.name for item in dataclasses.fields(schema_class)}
+
+
+def _unknown(where: str, node, known: set[str]) -> None:
+    if not isinstance(node, DictConfig):
+        return
+    for key in node:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {where}.{close[0]}?" if close else f"known keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"{where}.{key} is not a megapipe setting; {hint}")
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse keys added with ``+key=value`` that no schema has (a typo would otherwise be ignored)."""
+    top = _names(schema.Config) | {"hydra"}
+    for key in cfg:
+        if key not in top:
+            close = difflib.get_close_matches(str(key), sorted(top), n=1)
+            raise ConfigError(f"{key} is not a megapipe setting" + (f"; did you mean {close[0]}?" if close else ""))
+    for group, schema_class in _GROUPS.items():
+        _unknown(group, cfg.get(group), _names(schema_class))
+    cluster = cfg.get("cluster")
+    if isinstance(cluster, DictConfig):
+        for (group, key), schema_class in _NESTED.items():
+            _unknown(f"{group}.{key}", cluster.get(key), _names(schema_class))
+        groups = cluster.get("node_groups")
+        if isinstance(groups, ListConfig):
+            for index, entry in enumerate(groups):
+                _unknown(f"cluster.node_groups[{index}]", entry, _names(schema.NodeGroupConfig))
+                if isinstance(entry, DictConfig):
+                    _unknown(f"cluster.node_groups[{index}].gpu", entry.get("gpu"), _names(schema.GpuConfig))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def positive_int(key: str, value, *, upper: int | None = None, fix: str = "") -> int:
+    """``value`` as an int >= 1 (and <= ``upper``), else ConfigError naming ``key``."""
+    if isinstance(value, bool) or not _finite(value) or value != int(value) or value < 1:
+        raise ConfigError(f"{key}={value!r} must be a whole number >= 1" + (f"; {fix}" if fix else ""))
+    if upper is not None and value > upper:
+        raise ConfigError(f"{key}={value!r} is beyond the {upper:,} megapipe plans for" + (f"; {fix}" if fix else ""))
+    return int(value)
+
+
+def _positive(key: str, value) -> None:
+    if not (_finite(value) and value > 0):
+        raise ConfigError(f"{key}={value!r} must be a finite number > 0")
+
+
+def _fraction(key: str, value) -> None:
+    if not (_finite(value) and 0 < value <= 1):
+        raise ConfigError(f"{key}={value!r} must lie in (0, 1] (a share of the whole)")
+
+
+def check_model(model: ModelSpec) -> None:
+    positive_int("model.num_layers", model.num_layers, upper=MAX_LAYERS)
+    for key in ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+        positive_int(f"model.{key}", getattr(model, key), upper=1 << 30)
+    positive_int("model.seq_length", model.seq_length, upper=MAX_SEQ_LENGTH)
+    if model.kv_channels is not None:
+        positive_int("model.kv_channels", model.kv_channels, upper=1 << 20)
+    if model.mtp_num_layers < 0 or model.mtp_num_layers > MAX_LAYERS:
+        raise ConfigError(f"model.mtp_num_layers={model.mtp_num_layers} must lie in [0, {MAX_LAYERS}]")
+    if model.kv_channels is None and model.hidden_size % model.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={model.hidden_size} is not a multiple of num_attention_heads="
+            f"{model.num_attention_heads} (Megatron's per-head size); set model.kv_channels or change one of them")
+    if model.num_attention_heads % model.num_query_groups:
+        raise ConfigError(
+            f"model.num_query_groups={model.num_query_groups} must divide "
+            f"num_attention_heads={model.num_attention_heads}"
+        )
+
+
+def check_gpu(gpu: GpuSpec, where: str = "cluster.gpu") -> None:
+    for key in ("bf16_tflops", "hbm_gbytes_per_s", "memory_gib"):
+        _positive(f"{where}.{key}", getattr(gpu, key))
+    for key in ("usable_memory_fraction", "matmul_efficiency", "bandwidth_efficiency"):
+        _fraction(f"{where}.{key}", getattr(gpu, key))
+    if not (_finite(gpu.matmul_half_flops) and gpu.matmul_half_flops >= 0):
+        raise ConfigError(f"{where}.matmul_half_flops={gpu.matmul_half_flops!r} must be a finite number >= 0")
+
+
+def check_link(link: LinkSpec, where: str) -> None:
+    _positive(f"{where}.bandwidth_gbytes_per_s", link.bandwidth_gbytes_per_s)
+    if not (_finite(link.latency_us) and link.latency_us >= 0):
+        raise ConfigError(f"{where}.latency_us={link.latency_us!r} must be a finite number >= 0")
+
+
+def check_cluster(cluster: ClusterSpec) -> None:
+    positive_int("cluster.gpus_per_node", cluster.gpus_per_node, upper=1024)
+    if cluster.num_gpus > MAX_GPUS:
+        raise ConfigError(f"cluster {cluster.name!r} has {cluster.num_gpus:,} GPUs, beyond the {MAX_GPUS:,} "
+                          "megapipe plans for; lower cluster.num_nodes")
+    if not (_finite(cluster.price_per_gpu_hour) and cluster.price_per_gpu_hour >= 0):
+        raise ConfigError(f"cluster.price_per_gpu_hour={cluster.price_per_gpu_hour!r} must be a finite number >= 0")
+    check_link(cluster.intra_node, "cluster.intra_node")
+    check_link(cluster.inter_node, "cluster.inter_node")
+
+
+def check_fraction_pair(key: str, pair: tuple[float, float] | None) -> None:
+    """A [low, high] range of fractions: 0 <= low <= high <= 1."""
+    if pair is not None and not (all(_finite(v) for v in pair) and 0 <= pair[0] <= pair[1] <= 1):
+        raise ConfigError(f"{key}={list(pair)} must satisfy 0 <= low <= high <= 1")
