@@ -153,7 +153,7 @@ def claim_profile_partitioning() -> Claim:
     for model in ("llama3_8b", "llama3_70b", "llama3_405b", "gpt3_175b", "gpt_48l_128k"):
         for cluster in ("h100_80gb", "h200_141gb"):
             cases.append((f"{model}/{cluster[:4]} PP8", (f"model={model}", f"cluster={cluster}",
-                          "parallel.pipeline_model_parallel_size=8", "search.megatron_schedules_only=true")))
+                          "parallel.pipeline_model_parallel_size=8")))
     parts = []
     for name, overrides in cases:
         try:
@@ -165,7 +165,7 @@ def claim_profile_partitioning() -> Claim:
                  "12-18 percent\"", figure=figure,
                  how="simulated step of the best optimal split over the fastest equal split that fits among the "
                      "planner's top 20 (and over the best plan's own equal split); `megapipe plan` and PP8 rows "
-                     "`model=M cluster=C parallel.pipeline_model_parallel_size=8 search.megatron_schedules_only=true`",
+                     "`model=M cluster=C parallel.pipeline_model_parallel_size=8`",
                  verdict="holds only in some cases: near 0-3% for 70B/175B, more where the equal split does not "
                          "fit (405B PP8) or the 128k-vocab output layer weighs several decoders (small models at "
                          "PP8); cost-model decoders are identical, a measured profile may differ")
@@ -175,7 +175,7 @@ def claim_hetero() -> Claim:
     result = plan("cluster=mixed_h100_a100")
     best = result.best
     counts = dict.fromkeys(("h100_80gb", "a100_80gb"), 0)
-    for gpu, count in zip(best.stage_gpus, best.entries_per_stage):
+    for gpu, count in zip(best.stage_gpus, best.decoder_layers_per_stage):
         counts[gpu] += count
     share = counts["h100_80gb"] / sum(counts.values())
     equal = fitting_equal("cluster=mixed_h100_a100")
@@ -190,7 +190,7 @@ def claim_hetero() -> Claim:
     return Claim(claim="mixed H100+A100: 60% layers on H100, +23% throughput, -18% cost",
                  source="\"assign 60 percent layers to H100 stages for 23 percent higher throughput and 18 percent "
                         "lower cost\"",
-                 figure=f"best {shape(best)}, layout {best.entries_per_stage} on {best.stage_gpus}: "
+                 figure=f"best {shape(best)}, layout {best.decoder_layers_per_stage} on {best.stage_gpus}: "
                         f"{100 * share:.1f}% of decoders on H100; vs the fastest fitting equal split ({shape(equal)}) "
                         f"{100 * speedup:+.1f}% throughput, {100 * cost:.1f}% lower $/token (vs the same config's "
                         f"equal split {100 * result.hetero_gain:+.1f}%{over}); decoder time A100/H100 = {ratio:.2f}",
@@ -317,13 +317,13 @@ def claim_depth_range() -> Claim:
     parts, depths = [], []
     for model, cluster in (("llama3_8b", "h100_80gb"), ("llama3_70b", "h100_80gb"), ("gpt3_175b", "h100_80gb"),
                            ("llama3_405b", "h100_80gb"), ("llama3_70b", "b300_192gb"), ("llama3_405b", "b300_192gb")):
-        best = plan(f"model={model}", f"cluster={cluster}", "search.megatron_schedules_only=true").best
+        best = plan(f"model={model}", f"cluster={cluster}").best
         depths.append(best.parallel.pipeline_model_parallel_size)
         parts.append(f"{model}/{cluster[:4]} PP{depths[-1]}")
     return Claim(claim="PP works best with 4-8 stages (B300: 6-8)",
                  source="\"pipeline parallelism works best with 4-8 stages\"",
                  figure="best on 128 GPUs, Megatron schedules: " + ", ".join(parts),
-                 how="`megapipe plan model=M cluster=C search.megatron_schedules_only=true`",
+                 how="`megapipe plan model=M cluster=C`",
                  verdict="does not hold in general: the depth follows model size against GPU memory "
                          f"(PP {min(depths)} to {max(depths)} here)")
 

@@ -9,7 +9,6 @@ import pytest
 
 from megapipe.io import save_profile
 from megapipe.config import compose, to_setup
-from megapipe.emit import emit
 from megapipe.partition import solve
 
 
@@ -104,3 +103,55 @@ def test_mixed_cluster_time_scales_agree_with_the_planner():
     assert [s.gpu_name for s in specs] == [s.gpu_name for s in planner]
     assert [s.time_scale for s in specs] == pytest.approx([s.time_scale for s in planner], rel=1e-9)
     assert specs[0].time_scale == pytest.approx(1.0) and specs[-1].time_scale > 1.5
+
+
+def test_command_help_is_the_commands_own(tmp_path):
+    plan, partition = (megapipe(command, "--help", cwd=tmp_path) for command in ("plan", "partition"))
+    assert plan.returncode == partition.returncode == 0
+    assert "usage: megapipe plan" in plan.stdout and "usage: megapipe partition" in partition.stdout
+    assert plan.stdout != partition.stdout
+
+
+def test_output_dir_holds_the_run_record_and_log(tmp_path):
+    out = megapipe("partition", "parallel.pipeline_model_parallel_size=8", f"output.dir={tmp_path / 'p'}",
+                   "output.format=json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "p" / ".hydra" / "config.yaml").is_file() and (tmp_path / "p" / ".hydra" / "overrides.yaml").is_file()
+    assert (tmp_path / "p" / "partition.log").is_file()
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_runs_started_together_get_their_own_directories(tmp_path):
+    args = [sys.executable, "-m", "megapipe.cli", "plan", "model=tiny_gpt", "cluster=cpu_gloo",
+            "train.global_batch_size=8", "output.pictures=false", "output.format=json"]
+    runs = [subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    dirs = set()
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr
+        dirs.add(json.loads(stdout.strip().splitlines()[-1])["plan_dir"])
+    assert len(dirs) == 3 and all(os.path.isfile(os.path.join(tmp_path, d, "plan.yaml")) for d in dirs)
+
+
+def test_plan_files_respect_the_umask(tmp_path):
+    out = subprocess.run(["bash", "-c", f"umask 022 && {sys.executable} -m megapipe.cli plan model=tiny_gpt "
+                          f"cluster=cpu_gloo train.global_batch_size=8 output.dir={tmp_path / 'p'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "p").iterdir() if path.is_file()}
+    assert modes["plan.yaml"] == modes["megatron_args.txt"] == modes["memory.png"] == 0o644
+    assert modes["launch_megatron.sh"] == 0o755
+
+
+def test_a_failed_sweep_job_fails_the_sweep_and_report_marks_it(tmp_path):
+    out = megapipe("plan", "-m", "model=tiny_gpt", "cluster=cpu_gloo", "train.global_batch_size=8",
+                   "cluster.gpu.memory_gib=8,0.001", "output.pictures=false", cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "1 sweep job(s) failed" in out.stderr.strip().splitlines()[-1]
+    (sweep,) = (tmp_path / "multirun" / "plan").iterdir()
+    report = megapipe("report", str(sweep), "output.format=json", "output.pictures=false", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    summary = json.loads(report.stdout)
+    assert len(summary["rows"]) == 1 and len(summary["failed"]) == 1
+    assert "no feasible plan" in summary["failed"][0]["error"]

@@ -275,9 +275,11 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
         values = {**_SEARCH_PLACEHOLDER, **given}
     else:
         values = _fill(given, cluster, fill)
-    tp, pp, cp, vp = (positive_int(f"parallel.{key}", values[key], upper=cluster.num_gpus if key != "virtual_pipeline_model_parallel_size" else MAX_LAYERS)
-                      for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                                  "virtual_pipeline_model_parallel_size"))
+    tp, pp, cp = (positive_int(f"parallel.{key}", values[key], upper=cluster.num_gpus,
+                               fix=f"cluster {cluster.name!r} has {cluster.num_gpus} GPUs")
+                  for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
+    vp = positive_int("parallel.virtual_pipeline_model_parallel_size", values["virtual_pipeline_model_parallel_size"],
+                      upper=MAX_LAYERS)
     group = cfg.parallel.microbatch_group_size_per_vp_stage
     if group is not None:
         positive_int("parallel.microbatch_group_size_per_vp_stage", group)

@@ -78,7 +78,7 @@ def positive_int(key: str, value, *, upper: int | None = None, fix: str = "") ->
     if isinstance(value, bool) or not _finite(value) or value != int(value) or value < 1:
         raise ConfigError(f"{key}={value!r} must be a whole number >= 1" + (f"; {fix}" if fix else ""))
     if upper is not None and value > upper:
-        raise ConfigError(f"{key}={value!r} is beyond the {upper:,} megapipe plans for" + (f"; {fix}" if fix else ""))
+        raise ConfigError(f"{key}={value!r} exceeds {upper:,}" + (f": {fix}" if fix else ", the most megapipe plans for"))
     return int(value)
 
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from megapipe.errors import ProfileError
-from megapipe.records import Profile
 from megapipe.records import (
     Activation,
     AttentionBackend,
@@ -38,6 +37,7 @@ from megapipe.records import (
     ModelSpec,
     NodeGroup,
     ParallelSpec,
+    Profile,
     Recompute,
     TrainSpec,
 )

@@ -40,7 +40,6 @@ from megapipe.cost.traffic import (
     embedding_traffic_bytes,
     output_traffic_bytes,
 )
-from megapipe.records import Profile
 from megapipe.records import (
     ClusterSpec,
     GpuSpec,
@@ -49,6 +48,7 @@ from megapipe.records import (
     LinkSpec,
     ModelSpec,
     ParallelSpec,
+    Profile,
     Recompute,
     TrainSpec,
 )
