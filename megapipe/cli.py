@@ -34,6 +34,7 @@ commands: {', '.join(COMMANDS)}
   megapipe profile model=tiny_gpt                measure per-layer costs with megatron-core
   megapipe calibrate PROFILE [PROFILE ...]       fit the cost model's efficiency to measurements
   megapipe replan RUN_DIR                        re-partition from a monitored run
+  megapipe validate [RUNS.yaml]                  predicted against measured step time of published runs
 Config groups live in hydra_conf/ (model=, cluster=, parallel=, train=, schedule=, search=, output=).
 Add your own with hydra.searchpath=[file:///your/conf]. `megapipe COMMAND --help` shows a command's help;
 `megapipe COMMAND --hydra-help` Hydra's."""

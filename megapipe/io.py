@@ -33,12 +33,18 @@ __all__ = [
     "read_plan",
     "plan_document",
     "write_plan_dir",
+    "PUBLIC_RUNS",
+    "read_runs",
+    "replace_marked_section",
 ]
 
 PLAN_FILE = "plan.yaml"
 """The plan document's name inside a plan directory."""
 FAILED_FILE = "failed.txt"
 """Written into a sweep job's directory when the job fails, with the one-line reason."""
+
+PUBLIC_RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "public_runs.yaml")
+"""The public measured runs shipped with megapipe (``megapipe validate``'s default data set)."""
 
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -150,3 +156,28 @@ def write_plan_dir(directory: str, *, document: dict, emitted=None, launch: str 
         written.append(os.path.join(directory, "profile.yaml"))
         save_profile(profile, written[-1])
     return tuple(written)
+
+
+def read_runs(path: str | os.PathLike = PUBLIC_RUNS):
+    """The measured runs of a ``megapipe-runs/1`` file (:mod:`megapipe.validation.runs`)."""
+    from megapipe.validation.runs import runs_from_document
+
+    path = str(path)
+    document = _read_yaml(path, ConfigError, "runs",
+                          "give a megapipe-runs/1 file (megapipe/data/public_runs.yaml shows the layout)")
+    return runs_from_document(document, source=path)
+
+
+def replace_marked_section(path: str | os.PathLike, *, begin: str, end: str, body: str) -> None:
+    """Rewrite the text between the ``begin`` and ``end`` marker lines of a text file (atomically)."""
+    path = str(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}; give an existing Markdown file") from None
+    if begin not in text or end not in text or text.index(begin) > text.index(end):
+        raise ConfigError(f"{path} lacks the marker lines {begin!r} ... {end!r}; add them where the table goes")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    atomic_write_text(path, f"{head}{begin}\n{body.rstrip()}\n{end}{tail}")

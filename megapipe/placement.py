@@ -123,8 +123,10 @@ def _total_ms(layers: Sequence[LayerCost]) -> float:
 
 
 def modelled_stage_specs(gpus: Sequence[GpuSpec], *, reference: GpuSpec,
-                         layers_of: Callable[[GpuSpec], Sequence[LayerCost]]) -> tuple[StageSpec, ...]:
-    """One StageSpec per pipeline rank: its GPU's usable memory and modelled time scale.
+                         layers_of: Callable[[GpuSpec], Sequence[LayerCost]],
+                         microbatch_overhead_ms: float = 0.0) -> tuple[StageSpec, ...]:
+    """One StageSpec per pipeline rank: its GPU's usable memory, modelled time scale and the framework's
+    time per model chunk and microbatch.
 
     ``layers_of(gpu)`` gives the cost model's layers of the candidate on ``gpu``; a GPU's
     scale is their total time over the reference GPU's (1 on the reference GPU itself).
@@ -136,5 +138,6 @@ def modelled_stage_specs(gpus: Sequence[GpuSpec], *, reference: GpuSpec,
         if gpu != reference:
             ref_ms = ref_ms if ref_ms is not None else _total_ms(layers_of(reference))
             scale = _total_ms(layers_of(gpu)) / ref_ms
-        specs.append(StageSpec(time_scale=scale, memory_bytes=gpu.usable_memory_bytes, gpu_name=gpu.name))
+        specs.append(StageSpec(time_scale=scale, memory_bytes=gpu.usable_memory_bytes, gpu_name=gpu.name,
+                               microbatch_overhead_ms=microbatch_overhead_ms))
     return tuple(specs)

@@ -25,12 +25,14 @@ __all__ = [
     "LinkSpec",
     "NodeGroup",
     "ClusterSpec",
+    "RuntimeSpec",
     "ParallelSpec",
     "TrainSpec",
     "LayerCost",
     "Profile",
     "StageSpec",
     "SEARCH_DIMENSIONS",
+    "TIME_PARTS",
 ]
 
 SEARCH_DIMENSIONS = (
@@ -49,6 +51,8 @@ SEARCH_DIMENSIONS = (
 class Activation(str, enum.Enum):
     gelu = "gelu"
     swiglu = "swiglu"
+    squared_relu = "squared_relu"
+    """Nemotron's ReLU(x)^2: one fc1 width like GELU, no biases or dropout like the Llama family."""
 
 
 class AttentionBackend(str, enum.Enum):
@@ -112,7 +116,8 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GpuSpec:
-    """One accelerator's datasheet figures and the efficiency model applied to them."""
+    """One accelerator: datasheet figures, and what its kernels achieve of them (microbenchmarks, cited in the
+    cluster files); the time model is :mod:`megapipe.cost.kernels`."""
 
     name: str
     bf16_tflops: float
@@ -122,12 +127,23 @@ class GpuSpec:
     memory_gib: float
     usable_memory_fraction: float = 0.9
     """Share of memory_gib left for megapipe's accounting after the CUDA context, NCCL buffers and fragmentation."""
+    fp8_tflops: float = 0.0
+    """Dense FP8 tensor-core peak, TFLOP/s; 0 where the GPU has no FP8 tensor cores (A100)."""
+    num_sms: int = 0
+    """Streaming multiprocessors (compute units): GEMM tiles and attention blocks are spread over them; 0 ignores
+    tile and wave quantization."""
     matmul_efficiency: float = 0.75
-    """Achieved fraction of bf16_tflops on large GEMMs (calibrated by ``megapipe calibrate``)."""
-    matmul_half_flops: float = 2.0e9
-    """GEMM size (FLOPs) at which achieved efficiency is half of matmul_efficiency."""
+    """Sustained fraction of bf16_tflops on large bf16 GEMMs (maximum achievable matmul FLOPS)."""
+    fp8_matmul_efficiency: float = 0.0
+    """Sustained fraction of fp8_tflops on large FP8 GEMMs; 0 means matmul_efficiency."""
+    attention_efficiency: float = 0.5
+    """Flash/fused attention forward, achieved fraction of bf16_tflops on the causal half of the square."""
+    attention_backward_efficiency: float = 0.4
+    """The same for its backward (five s x s matmuls against the forward's two)."""
     bandwidth_efficiency: float = 0.8
     """Achieved fraction of hbm_gbytes_per_s for memory-bound kernels."""
+    kernel_overhead_us: float = 3.0
+    """Fixed time per kernel (launch, prologue, tail), microseconds."""
     architecture: str = ""
     """ampere, hopper, blackwell, cdna3 or cpu: what the GPU's kernels and Megatron's startup checks depend on."""
 
@@ -150,6 +166,8 @@ class LinkSpec:
     bandwidth_gbytes_per_s: float
     """Per GPU, one direction, GB/s (10^9 bytes)."""
     latency_us: float
+    bandwidth_efficiency: float = 0.8
+    """Achieved share of bandwidth_gbytes_per_s by large NCCL collectives (nccl-tests bus bandwidth)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,6 +179,43 @@ class NodeGroup:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeSpec:
+    """What the training framework (megatron-core with Transformer Engine) adds to the kernels' time.
+
+    Fitted on public measured runs by ``megapipe validate`` (hydra_conf/runtime/); each field is a
+    physical quantity, so a value far from 1 (or from a few ms) says the model misses something.
+    """
+
+    name: str = "megatron_core"
+    microbatch_overhead_ms: float = 0.0
+    """Per model chunk and microbatch, forward plus backward: the schedule's Python, p2p set-up, loss, launches
+    the GPU does not hide."""
+    step_overhead_ms: float = 0.0
+    """Per step: gradient-norm and loss all-reduces, optimizer launches, timers, logging, the data loader."""
+    gemm_efficiency_scale: float = 1.0
+    """GEMMs in training against the same GEMM alone (clocks under full-node power, SMs shared with NCCL), for
+    architectures gemm_efficiency_by_architecture does not list."""
+    gemm_efficiency_by_architecture: tuple[tuple[str, float], ...] = ()
+    """(GpuSpec.architecture, scale) pairs: each generation sustains its own share of its microbenchmark."""
+    attention_efficiency_scale: float = 1.0
+    """Attention kernels in training against their microbenchmarks, for architectures not listed below."""
+    attention_efficiency_by_architecture: tuple[tuple[str, float], ...] = ()
+    comm_efficiency_scale: float = 1.0
+    """Collectives in training against nccl-tests' bus bandwidth (contention with compute and other groups)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_efficiency_by_architecture", "attention_efficiency_by_architecture"):
+            pairs = dict(getattr(self, name))
+            object.__setattr__(self, name, tuple(sorted((str(k), float(v)) for k, v in pairs.items())))
+
+    def gemm_scale(self, architecture: str) -> float:
+        return dict(self.gemm_efficiency_by_architecture).get(architecture, self.gemm_efficiency_scale)
+
+    def attention_scale(self, architecture: str) -> float:
+        return dict(self.attention_efficiency_by_architecture).get(architecture, self.attention_efficiency_scale)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterSpec:
     name: str
     gpus_per_node: int
@@ -169,6 +224,14 @@ class ClusterSpec:
     inter_node: LinkSpec
     node_groups: tuple[NodeGroup, ...]
     """One group for a homogeneous cluster; several for a mixed one, in pipeline-placement order."""
+    scale_up_gpus: int = 0
+    """GPUs one ``intra_node`` (NVLink) domain joins; 0 means gpus_per_node. GB200 NVL72: 72 over 4-GPU trays."""
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs reachable over the intra_node link."""
+        return self.scale_up_gpus or self.gpus_per_node
 
     @property
     def num_nodes(self) -> int:
@@ -202,6 +265,12 @@ class ParallelSpec:
     use_distributed_optimizer: bool = True
     microbatch_group_size_per_vp_stage: int | None = None
     """Megatron's interleaving group; pipeline_model_parallel_size when None."""
+    tp_comm_overlap: bool = False
+    """Megatron's ``--tp-comm-overlap``: Transformer Engine pipelines the TP all-gather and reduce-scatter with
+    the GEMMs (userbuffers; needs sequence parallelism)."""
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    """With the distributed optimizer: the parameter all-gather runs under the next forward."""
 
     @property
     def world_size(self) -> int:
@@ -220,7 +289,12 @@ class TrainSpec:
     seq_length: int = 2048
     recompute_granularity: Recompute = Recompute.none
     precision: str = "bf16"
-    """bf16, fp16 or fp32 for activations and weights; master weights and Adam state are fp32."""
+    """bf16, fp16 or fp32 for activations and weights; fp8 is bf16 with FP8 GEMMs (Transformer Engine).
+    Master weights and Adam state are fp32."""
+    fp8_recipe: str = ""
+    """With fp8: delayed, tensorwise, mxfp8 or blockwise (Megatron's ``--fp8-recipe``); empty otherwise."""
+    fp8_param_gather: bool = False
+    """With fp8: keep the GEMM weights in FP8 and all-gather them so (``--fp8-param-gather``)."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         """Megatron's count: global_batch_size / (micro_batch_size * data_parallel_size)."""
@@ -246,9 +320,14 @@ class LayerCost:
     """Activation bytes kept per in-flight microbatch."""
     param_count: float = 0.0
     """Parameters of this unit per GPU (after TP sharding), for the ``parameters`` split."""
+    parts: tuple[float, ...] = ()
+    """fwd_ms + bwd_ms split into :data:`TIME_PARTS` (cost model); empty for a measured profile."""
 
 
 _LAYER_NUMBERS = ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes")
+
+TIME_PARTS = ("gemm", "attention", "memory_bound", "fp8_cast", "tp_comm", "cp_comm", "recompute")
+"""What a unit's forward + backward time is made of (``LayerCost.parts``), in this order."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -302,6 +381,8 @@ class StageSpec:
     memory_bytes: float = float("inf")
     """Bytes available for static + activation memory on this rank."""
     gpu_name: str = ""
+    microbatch_overhead_ms: float = 0.0
+    """Framework time per model chunk and microbatch on this rank (half in the forward, half in the backward)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,6 +421,9 @@ class Partition:
     stage_to_rank: tuple[int, ...] = ()
     """Pipeline rank of each layout stage; empty means vp-major (stage % pipeline_model_parallel_size).
     V-shaped schedules (zb_v, dualpipe_v) put stage s on rank 2P - 1 - s for s >= P."""
+    rank_peak_bytes: tuple[float, ...] = ()
+    """Each pipeline rank's peak bytes with its stages' activations summed at the moments they peak together
+    (ranks holding several stages); empty means the sum of the stages' own peaks."""
 
     @property
     def bottleneck_ms(self) -> float:
@@ -355,4 +439,10 @@ class Partition:
 
     @property
     def rank_memory_bytes(self) -> tuple[float, ...]:
+        """Each pipeline rank's peak bytes (coupled over its stages when rank_peak_bytes is set)."""
+        return self.rank_peak_bytes or self._rank_sums(self.stage_memory_bytes)
+
+    @property
+    def rank_stage_peaks_bytes(self) -> tuple[float, ...]:
+        """Each pipeline rank's stages' own peaks, summed: what rank_memory_bytes would be if they peaked together."""
         return self._rank_sums(self.stage_memory_bytes)

@@ -25,7 +25,7 @@ pytest.importorskip("megapipe.cost")
 from megapipe.cost import layer_costs  # noqa: E402
 
 PRIOR = GpuSpec(name="h100_80gb", bf16_tflops=989.0, hbm_gbytes_per_s=3350.0, memory_gib=80.0)
-TRUTH = dataclasses.replace(PRIOR, matmul_efficiency=0.55, matmul_half_flops=4.0e8, bandwidth_efficiency=0.62)
+TRUTH = dataclasses.replace(PRIOR, matmul_efficiency=0.55, kernel_overhead_us=8.0, bandwidth_efficiency=0.62)
 
 
 def _model(hidden: int, vocab: int = 32000) -> ModelSpec:
@@ -84,7 +84,7 @@ def test_fit_with_noise_stays_close() -> None:
     calibration = fit_gpu(samples=_samples(rng=rng, noise=0.03) + _samples(rng=rng, noise=0.03), gpu=PRIOR)
     assert calibration.gpu.matmul_efficiency == pytest.approx(TRUTH.matmul_efficiency, rel=0.05)
     assert calibration.gpu.bandwidth_efficiency == pytest.approx(TRUTH.bandwidth_efficiency, rel=0.15)
-    assert calibration.gpu.matmul_half_flops == pytest.approx(TRUTH.matmul_half_flops, rel=0.3)
+    assert calibration.gpu.kernel_overhead_us == pytest.approx(TRUTH.kernel_overhead_us, rel=0.3)
     assert calibration.rms_log_error_after < 0.05 < calibration.rms_log_error_before
 
 
@@ -105,7 +105,7 @@ def test_unidentified_field_keeps_its_prior() -> None:
     samples = [dataclasses.replace(s, profile=Profile(layers=tuple(gemm_only(s, TRUTH)), device="x"))
                for s in _samples()]
     calibration = fit_gpu(samples=samples, gpu=PRIOR, predict=gemm_only)
-    assert calibration.identified == ("matmul_efficiency", "matmul_half_flops")
+    assert calibration.identified == ("matmul_efficiency", "kernel_overhead_us")
     assert calibration.gpu.bandwidth_efficiency == pytest.approx(PRIOR.bandwidth_efficiency, rel=1e-9)
     assert calibration.gpu.matmul_efficiency == pytest.approx(TRUTH.matmul_efficiency, rel=1e-6)
 

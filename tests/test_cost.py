@@ -17,7 +17,6 @@ from megapipe.cost import (
     bytes_per_parameter,
     collective_ms,
     decoder_gemm_flops,
-    gemm_ms,
     layer_costs,
     matmul_parameter_count,
     model_flops_per_token,
@@ -206,18 +205,16 @@ def test_p2p_bytes():
 # --- time model --------------------------------------------------------------------------------------
 
 
-def test_gemm_efficiency_curve_and_ring_collectives():
-    peak = H100.bf16_tflops * 1e12
-    big = 1e15
-    assert big / (gemm_ms(flops=big, gpu=H100) * 1e-3) / peak == pytest.approx(H100.matmul_efficiency, rel=1e-5)
-    half = H100.matmul_half_flops
-    assert half / (gemm_ms(flops=half, gpu=H100) * 1e-3) / peak == pytest.approx(H100.matmul_efficiency / 2)
+def test_ring_collectives_closed_form():
     assert collective_ms(kind=Collective.all_reduce, num_bytes=1e9, group_size=1, link=NVLINK) == 0
+    achieved = 450e9 * NVLINK.bandwidth_efficiency
     ring = collective_ms(kind=Collective.all_reduce, num_bytes=8e9, group_size=8, link=NVLINK)
-    assert ring == pytest.approx(2 * 7 / 8 * 8e9 / 450e9 * 1e3 + 5e-3)
+    assert ring == pytest.approx(2 * 7 / 8 * 8e9 / achieved * 1e3 + 14 * 5e-3)
     gather = collective_ms(kind=Collective.all_gather, num_bytes=8e9, group_size=8, link=NVLINK)
     scatter = collective_ms(kind=Collective.reduce_scatter, num_bytes=8e9, group_size=8, link=NVLINK)
-    assert gather + scatter == pytest.approx(ring + 5e-3)
+    assert gather + scatter == pytest.approx(ring)
+    slower = collective_ms(kind=Collective.all_gather, num_bytes=8e9, group_size=8, link=NVLINK, efficiency_scale=0.5)
+    assert slower == pytest.approx(2 * (gather - 7 * 5e-3) + 7 * 5e-3)
 
 
 def test_tensor_parallel_beyond_a_node_uses_the_inter_node_link():
@@ -281,7 +278,7 @@ def test_more_micro_batch_or_sequence_means_more_time_and_memory(model, tp, reco
 
 def test_a_slower_gpu_takes_longer():
     a100 = GpuSpec(name="a100", bf16_tflops=312, hbm_gbytes_per_s=2039, memory_gib=80, matmul_efficiency=0.8,
-                   matmul_half_flops=1e9, bandwidth_efficiency=0.85)
+                   kernel_overhead_us=4.0, bandwidth_efficiency=0.85)
     train = TrainSpec(seq_length=2048)
     fast = layer_costs(model=KORTHIKANTI, gpu=H100, cluster=CLUSTER, parallel=ParallelSpec(), train=train)
     slow = layer_costs(model=KORTHIKANTI, gpu=a100, cluster=CLUSTER, parallel=ParallelSpec(), train=train)

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from megapipe import schedules
 from megapipe.errors import InfeasibleError
-from megapipe.plan.bounds import layer_shape, pipeline_floor_ms, split_can_fit
+from megapipe.partition.coupled import uniform_fits
+from megapipe.partition.coupled import uniform_shape as layer_shape
+from megapipe.plan.bounds import pipeline_floor_ms, split_can_fit
 from megapipe.plan.evaluator import Evaluator
 from megapipe.plan.plans import SearchOptions
 from megapipe.plan.space import enumerate_candidates
@@ -32,21 +34,38 @@ def _cluster(memory_gib: float) -> ClusterSpec:
 
 @pytest.mark.parametrize("memory_gib", [12.0, 20.0, 40.0])
 def test_split_can_fit_equals_the_solver(memory_gib):
-    """Every candidate, every schedule: the closed form says no exactly when the solver finds no split."""
+    """Every candidate, every schedule: with one stage per rank the closed form says no exactly when the solver
+    finds no split; with several (interleaved, V) it never says no to a split that fits, and the exact coupled
+    check (partition.coupled.uniform_fits) agrees with the solver."""
     cluster = _cluster(memory_gib)
     options = SearchOptions(micro_batch_sizes=(1, 2, 4), max_virtual_pipeline_model_parallel_size=4)
     ev = Evaluator(model=MODEL, cluster=cluster, options=options)
     space = enumerate_candidates(model=MODEL, cluster=cluster, train=TRAIN, options=options)
-    verdicts = []
+    verdicts, coupled = [], 0
     for cand in space.candidates:
         try:
             ev.partition(cand)
             fits = True
         except InfeasibleError:
             fits = False
-        assert ev.bounds.split_can_fit(cand) == fits, (cand.schedule, cand.parallel, cand.train)
+        par = cand.parallel
+        pp = par.pipeline_model_parallel_size
+        ranks = schedules.spec(cand.schedule).stage_to_rank(
+            pipeline_model_parallel_size=pp, num_stages=pp * schedules.chunks_per_rank(
+                cand.schedule, par.virtual_pipeline_model_parallel_size))
+        if len(ranks) == pp:
+            assert ev.bounds.split_can_fit(cand) == fits, (cand.schedule, cand.parallel, cand.train)
+        else:
+            coupled += 1
+            assert ev.bounds.split_can_fit(cand) or not fits, (cand.schedule, cand.parallel, cand.train)
+            profiles = schedules.rank_in_flight_profiles(
+                cand.schedule, pipeline_model_parallel_size=pp, num_microbatches=cand.num_microbatches,
+                virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
+            exact = uniform_fits(shape=layer_shape(ev.costs.bound_layers(cand)), stages=ev.costs.stage_specs(cand),
+                                 ranks=ranks, profiles=profiles)
+            assert exact == fits, (cand.schedule, cand.parallel, cand.train)
         verdicts.append(fits)
-    assert 0 < sum(verdicts) < len(verdicts)
+    assert 0 < sum(verdicts) < len(verdicts) and coupled
 
 
 def test_split_can_fit_abstains_on_unequal_decoders():

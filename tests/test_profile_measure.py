@@ -165,7 +165,7 @@ def test_cli_profile_then_calibrate(tmp_path, capsys) -> None:
     assert '"overlay"' in capsys.readouterr().out
     setup = to_setup(compose([*CPU_RUN, f"hydra.searchpath=[file://{tmp_path}]", "+calibration=cpu"]))
     fitted = yaml.safe_load((tmp_path / "calibration" / "cpu.yaml").read_text())["cluster"]["gpu"]
-    assert setup.cluster.gpu.matmul_half_flops == fitted["matmul_half_flops"]
+    assert setup.cluster.gpu.kernel_overhead_us == fitted["kernel_overhead_us"]
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:

@@ -100,8 +100,10 @@ def test_gpipe_with_p2p_closed_form():
 def test_p2p_from_link_and_boundaries():
     from megapipe.records import LinkSpec
 
-    cost = P2PCost.from_link(LinkSpec(kind="ib", bandwidth_gbytes_per_s=50.0, latency_us=5.0), p2p_bytes=1e8)
-    assert cost.message_ms == pytest.approx(0.005 + 2.0)
+    link = LinkSpec(kind="ib", bandwidth_gbytes_per_s=50.0, latency_us=5.0, bandwidth_efficiency=0.8)
+    cost = P2PCost.from_link(link, p2p_bytes=1e8)
+    assert cost.message_ms == pytest.approx(0.005 + 2.0 / 0.8)  # at the bandwidth NCCL achieves
+    assert P2PCost.from_link(link, p2p_bytes=1e8, efficiency_scale=0.5).message_ms == pytest.approx(0.005 + 5.0)
     slow_middle = P2PCost(boundary_ms=(0.0, 1.0, 0.0))
     result = simulate(_build("gpipe", 4, 3), StageTimes.uniform(4, fwd_ms=1.0, input_grad_ms=1.0), p2p=slow_middle)
     assert result.step_time_ms == pytest.approx(3 * 2 + 3 * 2 + 2 * 1.0)

@@ -59,7 +59,8 @@ def setup_stage_specs(setup: Setup, *, pipeline_model_parallel_size: int | None 
         return cost.layer_costs(model=setup.model, gpu=gpu, cluster=setup.cluster, parallel=setup.parallel,
                                 train=setup.train).layers
 
-    return modelled_stage_specs(placed, reference=setup.cluster.gpu, layers_of=layers_of)
+    return modelled_stage_specs(placed, reference=setup.cluster.gpu, layers_of=layers_of,
+                                microbatch_overhead_ms=setup.cluster.runtime.microbatch_overhead_ms)
 
 
 def stage_times(profile: Profile, part: Partition, specs: tuple[StageSpec, ...], stage_to_rank) -> StageTimes:

@@ -61,6 +61,7 @@ def result_dict(setup: Setup, optimal: Partition, optimal_sim: SimResult, equal:
         "decoder_layers_per_stage": _decoders(optimal),
         "stage_time_ms": [round(t, 6) for t in optimal.stage_time_ms],
         "stage_memory_bytes": [float(round(b)) for b in optimal.stage_memory_bytes],
+        "rank_memory_bytes": [float(round(b)) for b in optimal.rank_memory_bytes],
         "bottleneck_ms": round(optimal.bottleneck_ms, 6),
         "step_time_ms": round(optimal_sim.step_time_ms, 6),
         "bubble_fraction": round(optimal_sim.bubble_fraction, 6),
@@ -101,6 +102,7 @@ def _print_table(setup: Setup, specs, optimal: Partition, result: dict) -> None:
         table.add_column(column, justify="right")
     pp = par.pipeline_model_parallel_size
     ranks = optimal.stage_to_rank or tuple(stage % pp for stage in range(len(optimal.stage_kinds)))
+    shared = len(ranks) > pp  # a rank's stages share its memory: headroom is the rank's, below
     for stage, kinds in enumerate(optimal.stage_kinds):
         rank = ranks[stage]
         act = optimal.stage_in_flight[stage] * optimal.stage_act_bytes[stage]
@@ -108,8 +110,19 @@ def _print_table(setup: Setup, specs, optimal: Partition, result: dict) -> None:
         table.add_row(str(stage), str(rank), _describe_stage(kinds), f"{optimal.stage_time_ms[stage]:.2f}",
                       f"{optimal.stage_static_bytes[stage] / GIB:.2f}", f"{act / GIB:.2f}",
                       f"{optimal.stage_memory_bytes[stage] / GIB:.2f}",
-                      f"{(cap - optimal.stage_memory_bytes[stage]) / GIB:.2f}")
+                      "(rank)" if shared else f"{(cap - optimal.stage_memory_bytes[stage]) / GIB:.2f}")
     out.print(table)
+    if shared:
+        ranks_table = Table(title="per pipeline rank: its stages' activations summed at the moments they peak "
+                                  "together (the stage rows above show each stage's own peak)")
+        for column in ("rank", "stages", "peak GiB", "sum of stage peaks GiB", "headroom GiB"):
+            ranks_table.add_column(column, justify="right")
+        sums = optimal.rank_stage_peaks_bytes
+        for rank, peak in enumerate(optimal.rank_memory_bytes):
+            owned = ",".join(str(stage) for stage, owner in enumerate(ranks) if owner == rank)
+            ranks_table.add_row(str(rank), owned, f"{peak / GIB:.2f}", f"{sums[rank] / GIB:.2f}",
+                                f"{(specs[rank].memory_bytes - peak) / GIB:.2f}")
+        out.print(ranks_table)
     equal = result["equal"]
     out.print(f"layout:        {result['layout']}  (seq_length {result['seq_length']:,} from "
               f"{result['seq_length_source']})", markup=False)

@@ -108,7 +108,8 @@ def run(job: PlanJob, *, directory: str) -> None:
     result = _progress_search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=_fixed(job),
                               options=setup.search, profile=job.profile,
                               use_distributed_optimizer=setup.parallel.use_distributed_optimizer,
-                              microbatch_group_size_per_vp_stage=setup.parallel.microbatch_group_size_per_vp_stage)
+                              microbatch_group_size_per_vp_stage=setup.parallel.microbatch_group_size_per_vp_stage,
+                              template=setup.parallel)
     extra, emitted, launch, nodes = _emission(job, result)
     document = plan_document(result=result, model=setup.model, cluster=setup.cluster, inputs=job.inputs,
                              emitted=emitted.as_dict() if emitted else None, extra=extra)
@@ -160,6 +161,13 @@ def compare_line(best, reference, source) -> str:
     )
 
 
+def breakdown_line(plan) -> str:
+    """Where the plan's step goes, largest first: ``gemm 9.18 s (67%), ...``."""
+    total = sum(ms for _, ms in plan.breakdown) or 1.0
+    parts = sorted((item for item in plan.breakdown if item[1] > 0), key=lambda item: -item[1])
+    return ", ".join(f"{name.replace('_', ' ')} {ms / 1e3:.2f} s ({ms / total:.0%})" for name, ms in parts)
+
+
 def _pruned(stats) -> str:
     return ", ".join(f"{reason} {count:,}" for reason, count in stats.pruned) or "none"
 
@@ -197,6 +205,8 @@ def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: 
         out.print("* the plan to run: the best one megatron-core runs; the what-if plans above it use schedules it "
                   "does not have", markup=False)
     out.print(f"layout: {best.layout}", markup=False)
+    if best.breakdown:
+        out.print(f"step {best.step_time_s:.2f} s: {breakdown_line(best)}", markup=False, soft_wrap=True)
     for warning in best.warnings:
         out.print(f"warning: {warning}", markup=False)
     if nodes:

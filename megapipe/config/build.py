@@ -29,6 +29,7 @@ from megapipe.config.options import (
     search_options,
 )
 from megapipe.config.schema import register_configs
+from megapipe.cost.precision import PRECISIONS, check_precision, default_fp8_recipe
 from megapipe.config.validate import (
     MAX_GPUS,
     MAX_LAYERS,
@@ -52,6 +53,7 @@ from megapipe.records import (
     NodeGroup,
     ParallelSpec,
     Recompute,
+    RuntimeSpec,
     TrainSpec,
 )
 from megapipe.schedules import SCHEDULE_NAMES, ScheduleName, spec
@@ -183,7 +185,24 @@ def _gpu_spec(node: DictConfig, where: str) -> GpuSpec:
     return spec
 
 
-def _cluster_spec(node: DictConfig) -> ClusterSpec:
+def _runtime_spec(node: DictConfig | None) -> RuntimeSpec:
+    if node is None:
+        return RuntimeSpec()
+    values = OmegaConf.to_container(node, resolve=True)
+    tables = {name: values.pop(name, None) or {} for name in ("gemm_efficiency_by_architecture",
+                                                              "attention_efficiency_by_architecture")}
+    scales = {f"{name}.{k}": v for name, table in tables.items() for k, v in table.items()}
+    for key, value in {**values, **scales}.items():
+        if key != "name" and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"runtime.{key}={value!r} must be a finite number >= 0")
+    for key, value in {**scales, **{key: values[key] for key in (
+            "gemm_efficiency_scale", "attention_efficiency_scale", "comm_efficiency_scale")}}.items():
+        if value <= 0:
+            raise ConfigError(f"runtime.{key}={value!r} must be > 0 (1 = the microbenchmarks' efficiency)")
+    return RuntimeSpec(**values, **{name: tuple(table.items()) for name, table in tables.items()})
+
+
+def _cluster_spec(node: DictConfig, runtime: RuntimeSpec = RuntimeSpec()) -> ClusterSpec:
     links = {key: LinkSpec(**OmegaConf.to_container(node[key], resolve=True)) for key in ("intra_node", "inter_node")}
     positive_int("cluster.num_nodes", node.num_nodes, upper=MAX_GPUS)
     if node.node_groups:
@@ -197,23 +216,42 @@ def _cluster_spec(node: DictConfig) -> ClusterSpec:
             )
     else:
         groups = (NodeGroup(gpu=_gpu_spec(node.gpu, "cluster.gpu"), num_nodes=int(node.num_nodes)),)
+    gpus_per_node = positive_int("cluster.gpus_per_node", node.gpus_per_node)
+    scale_up = int(node.get("scale_up_gpus") or 0)
+    if scale_up and scale_up % gpus_per_node:
+        raise ConfigError(f"cluster.scale_up_gpus={scale_up} must be a multiple of gpus_per_node={gpus_per_node} "
+                          "(an NVLink domain joins whole nodes); fix one of them or set it to 0")
     cluster = ClusterSpec(
-        name=str(node.name), gpus_per_node=positive_int("cluster.gpus_per_node", node.gpus_per_node),
+        name=str(node.name), gpus_per_node=gpus_per_node,
         price_per_gpu_hour=float(node.price_per_gpu_hour),
         intra_node=links["intra_node"], inter_node=links["inter_node"], node_groups=groups,
+        scale_up_gpus=scale_up, runtime=runtime,
     )
     check_cluster(cluster)
     return cluster
 
 
-_PRECISIONS = ("bf16", "fp16", "fp32")
-
-
 def _precision(value) -> str:
     name = str(getattr(value, "value", value))
-    if name not in _PRECISIONS:
-        raise ConfigError(f"train.precision={name!r} is not supported; use one of {', '.join(_PRECISIONS)}")
+    if name not in PRECISIONS:
+        raise ConfigError(f"train.precision={name!r} is not supported; use one of {', '.join(PRECISIONS)}")
     return name
+
+
+def _fp8_fields(cfg: DictConfig, precision: str, cluster: ClusterSpec, parallel: ParallelSpec) -> dict:
+    """train.fp8_recipe (per GPU when null) and fp8_param_gather (with the distributed optimizer when null);
+    both are checked against every GPU type afterwards."""
+    recipe = cfg.train.get("fp8_recipe")
+    gather = cfg.train.get("fp8_param_gather")
+    if precision == "fp8" and recipe is None:
+        recipes = {default_fp8_recipe(group.gpu) for group in cluster.node_groups}
+        recipe = "tensorwise" if len(recipes) > 1 else recipes.pop()  # a mixed cluster needs one recipe for all
+    if gather is None:
+        gather = precision == "fp8" and parallel.use_distributed_optimizer and recipe != "blockwise"
+    elif gather and precision == "fp8" and not parallel.use_distributed_optimizer:
+        raise ConfigError("train.fp8_param_gather=true needs parallel.use_distributed_optimizer=true "
+                          "(Megatron-LM asserts it); set one of them")
+    return {"fp8_recipe": "" if recipe is None else str(recipe), "fp8_param_gather": bool(gather)}
 
 
 def _check_run_size(cfg: DictConfig) -> None:
@@ -267,7 +305,7 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
     """
     check_known_keys(cfg)
     model, seq_source = _model_spec(cfg.model, train_seq_length=cfg.train.seq_length)
-    cluster = _cluster_spec(cfg.cluster)
+    cluster = _cluster_spec(cfg.cluster, _runtime_spec(cfg.get("runtime")))
     given = _given(cfg)
     if search:
         if given.get("schedule") == "all":
@@ -294,6 +332,9 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
         sequence_parallel=bool(values["sequence_parallel"]),
         use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
         microbatch_group_size_per_vp_stage=group,
+        tp_comm_overlap=bool(cfg.parallel.get("tp_comm_overlap", False)),
+        overlap_grad_reduce=bool(cfg.parallel.get("overlap_grad_reduce", True)),
+        overlap_param_gather=bool(cfg.parallel.get("overlap_param_gather", True)),
     )
     train = TrainSpec(
         micro_batch_size=positive_int("train.micro_batch_size", values["micro_batch_size"], upper=1 << 20),
@@ -302,7 +343,11 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
             "train.seq_length", cfg.train.seq_length, upper=MAX_SEQ_LENGTH),
         recompute_granularity=Recompute(_enum_value(values["recompute_granularity"])),
         precision=_precision(cfg.train.precision),
+        **_fp8_fields(cfg, _precision(cfg.train.precision), cluster, parallel),
     )
+    for index, group in enumerate(cluster.node_groups):
+        check_precision(train, group.gpu, where=f"cluster.node_groups[{index}].gpu" if cluster.is_heterogeneous
+                        else "cluster.gpu")
     _check_run_size(cfg)
     if "recompute_granularity" in given:
         given["recompute_granularity"] = train.recompute_granularity
@@ -334,7 +379,7 @@ def recorded_inputs(cfg: DictConfig) -> dict:
     """The resolved config as plain data, without hydra's and output's groups: what a plan records it was made from."""
     inputs = {}
     for key in cfg:
-        if key in ("hydra", "output"):  # how the run was launched and printed, not what was planned
+        if key in ("hydra", "output", "validate"):  # how the run was launched and printed, not what was planned
             continue
         value = cfg[key]
         if isinstance(value, DictConfig | ListConfig):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -24,11 +24,13 @@ __all__ = [
     "LinkConfig",
     "NodeGroupConfig",
     "ClusterConfig",
+    "RuntimeConfig",
     "ParallelConfig",
     "TrainConfig",
     "ScheduleConfig",
     "SearchConfig",
     "OutputConfig",
+    "ValidateConfig",
     "Config",
     "register_configs",
 ]
@@ -84,9 +86,20 @@ class GpuConfig:
     """HBM bandwidth, GB/s."""
     memory_gib: float = MISSING
     usable_memory_fraction: float = 0.9
+    fp8_tflops: float = 0.0
+    """Dense FP8 peak, TFLOP/s; 0 = no FP8 tensor cores."""
+    num_sms: int = 0
+    """Streaming multiprocessors (compute units), for tile and wave quantization; 0 ignores it."""
     matmul_efficiency: float = 0.75
-    matmul_half_flops: float = 2.0e9
+    """Sustained fraction of bf16_tflops on large GEMMs (maximum achievable matmul FLOPS)."""
+    fp8_matmul_efficiency: float = 0.0
+    """The same for FP8 GEMMs; 0 means matmul_efficiency."""
+    attention_efficiency: float = 0.5
+    """Flash attention forward, achieved fraction of bf16_tflops (causal FLOPs)."""
+    attention_backward_efficiency: float = 0.4
     bandwidth_efficiency: float = 0.8
+    kernel_overhead_us: float = 3.0
+    """Fixed time per kernel, microseconds."""
     architecture: str = ""
     """ampere, hopper, blackwell, cdna3 or cpu."""
 
@@ -98,6 +111,9 @@ class LinkConfig:
     bandwidth_gbytes_per_s: float = MISSING
     """Per GPU, one direction, GB/s."""
     latency_us: float = MISSING
+    """Per step of a ring collective (and per p2p message), microseconds."""
+    bandwidth_efficiency: float = 0.8
+    """Achieved share of the bandwidth by large NCCL collectives (nccl-tests bus bandwidth)."""
 
 
 @dataclass
@@ -118,6 +134,26 @@ class ClusterConfig:
     inter_node: LinkConfig = MISSING
     node_groups: List[NodeGroupConfig] = field(default_factory=list)
     """Mixed clusters: node groups in pipeline-placement order; empty for a homogeneous cluster."""
+    scale_up_gpus: int = 0
+    """GPUs one intra_node (NVLink) domain joins; 0 means gpus_per_node (GB200 NVL72: 72)."""
+
+
+@dataclass
+class RuntimeConfig:
+    """The training framework's time beyond the kernels (fitted on public runs by `megapipe validate`)."""
+
+    name: str = MISSING
+    microbatch_overhead_ms: float = 0.0
+    """Per model chunk and microbatch, forward + backward."""
+    step_overhead_ms: float = 0.0
+    """Per optimizer step."""
+    gemm_efficiency_scale: float = 1.0
+    """For GPU architectures gemm_efficiency_by_architecture does not list."""
+    gemm_efficiency_by_architecture: Dict[str, float] = field(default_factory=dict)
+    """GEMM scale per GPU architecture (ampere, hopper, blackwell, ...)."""
+    attention_efficiency_scale: float = 1.0
+    attention_efficiency_by_architecture: Dict[str, float] = field(default_factory=dict)
+    comm_efficiency_scale: float = 1.0
 
 
 @dataclass
@@ -130,6 +166,10 @@ class ParallelConfig:
     sequence_parallel: Optional[bool] = None
     use_distributed_optimizer: bool = True
     microbatch_group_size_per_vp_stage: Optional[int] = None
+    tp_comm_overlap: bool = False
+    """Megatron's --tp-comm-overlap (Transformer Engine userbuffers; needs sequence parallelism)."""
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
 
 
 @dataclass
@@ -142,6 +182,12 @@ class TrainConfig:
     recompute_granularity: Optional[Recompute] = None
     """none, selective or full (emitted to Megatron as null, selective, full)."""
     precision: str = "bf16"
+    """bf16, fp16, fp32, or fp8 (bf16 with FP8 GEMMs on H100/H200/B200/B300)."""
+    fp8_recipe: Optional[str] = None
+    """With fp8: delayed, tensorwise, mxfp8 (Blackwell) or blockwise; null picks mxfp8 on Blackwell, else tensorwise."""
+    fp8_param_gather: Optional[bool] = None
+    """With fp8: keep GEMM weights in FP8 and all-gather them so (--fp8-param-gather); null means on with the
+    distributed optimizer (as Megatron-Bridge's FP8 recipes), off for blockwise."""
     num_microbatches: Optional[int] = None
     """Derived as global_batch_size / (micro_batch_size * data-parallel size); set it only to simulate directly."""
     total_tokens: float = 2.0e12
@@ -204,14 +250,30 @@ class OutputConfig:
 
 
 @dataclass
+class ValidateConfig:
+    """`megapipe validate`: which runs, what to fit, where the table goes."""
+
+    ids: Optional[List[str]] = None
+    """Only these runs of the data set (by id); null means all."""
+    leave_one_out: bool = True
+    """Refit without each run in turn and predict it (about a minute per 60 runs)."""
+    fit: Optional[List[str]] = None
+    """Runtime fields to fit (megapipe.validation.fit.FIT_FIELDS); null means DEFAULT_FIT."""
+    docs: Optional[str] = None
+    """A Markdown file whose section between the validation markers is rewritten with the table."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     cluster: ClusterConfig = MISSING
+    runtime: RuntimeConfig = MISSING
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
     profile: Optional[str] = None
     """A megapipe-profile/1 file used instead of the cost model."""
     stage_times: Optional[List[List[Any]]] = None
@@ -228,6 +290,7 @@ def register_configs() -> None:
     store.store(name="base_config", node=Config)
     store.store(group="model", name="base_model", node=ModelConfig)
     store.store(group="cluster", name="base_cluster", node=ClusterConfig)
+    store.store(group="runtime", name="base_runtime", node=RuntimeConfig)
     store.store(group="parallel", name="base_parallel", node=ParallelConfig)
     store.store(group="train", name="base_train", node=TrainConfig)
     store.store(group="schedule", name="base_schedule", node=ScheduleConfig)

@@ -26,9 +26,10 @@ MAX_GPUS = 1 << 20
 MAX_SEQ_LENGTH = 1 << 24
 
 _GROUPS = {
-    "model": schema.ModelConfig, "cluster": schema.ClusterConfig, "parallel": schema.ParallelConfig,
+    "model": schema.ModelConfig, "cluster": schema.ClusterConfig, "runtime": schema.RuntimeConfig,
+    "parallel": schema.ParallelConfig,
     "train": schema.TrainConfig, "schedule": schema.ScheduleConfig, "search": schema.SearchConfig,
-    "output": schema.OutputConfig,
+    "output": schema.OutputConfig, "validate": schema.ValidateConfig,
 }
 _NESTED = {("cluster", "gpu"): schema.GpuConfig, ("cluster", "intra_node"): schema.LinkConfig,
            ("cluster", "inter_node"): schema.LinkConfig}
@@ -112,19 +113,27 @@ def check_model(model: ModelSpec) -> None:
         )
 
 
+def _non_negative(key: str, value) -> None:
+    if not (_finite(value) and value >= 0):
+        raise ConfigError(f"{key}={value!r} must be a finite number >= 0")
+
+
 def check_gpu(gpu: GpuSpec, where: str = "cluster.gpu") -> None:
     for key in ("bf16_tflops", "hbm_gbytes_per_s", "memory_gib"):
         _positive(f"{where}.{key}", getattr(gpu, key))
-    for key in ("usable_memory_fraction", "matmul_efficiency", "bandwidth_efficiency"):
+    for key in ("usable_memory_fraction", "matmul_efficiency", "attention_efficiency",
+                "attention_backward_efficiency", "bandwidth_efficiency"):
         _fraction(f"{where}.{key}", getattr(gpu, key))
-    if not (_finite(gpu.matmul_half_flops) and gpu.matmul_half_flops >= 0):
-        raise ConfigError(f"{where}.matmul_half_flops={gpu.matmul_half_flops!r} must be a finite number >= 0")
+    for key in ("fp8_tflops", "kernel_overhead_us", "num_sms"):
+        _non_negative(f"{where}.{key}", getattr(gpu, key))
+    if gpu.fp8_matmul_efficiency:
+        _fraction(f"{where}.fp8_matmul_efficiency", gpu.fp8_matmul_efficiency)
 
 
 def check_link(link: LinkSpec, where: str) -> None:
     _positive(f"{where}.bandwidth_gbytes_per_s", link.bandwidth_gbytes_per_s)
-    if not (_finite(link.latency_us) and link.latency_us >= 0):
-        raise ConfigError(f"{where}.latency_us={link.latency_us!r} must be a finite number >= 0")
+    _non_negative(f"{where}.latency_us", link.latency_us)
+    _fraction(f"{where}.bandwidth_efficiency", link.bandwidth_efficiency)
 
 
 def check_cluster(cluster: ClusterSpec) -> None:

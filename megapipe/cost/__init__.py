@@ -5,8 +5,8 @@ module's docstring and in ``docs/cost_model.md``.
 """
 
 from megapipe.cost.comm import Collective, collective_ms, tensor_parallel_link
-from megapipe.cost.efficiency import gemm_ms, memory_ms
 from megapipe.cost.flops import attention_flops, decoder_gemm_flops, model_flops_per_token, output_gemm_flops
+from megapipe.cost.kernels import attention_ms, gemm_ms, memory_ms, peak_flops
 from megapipe.cost.layers import layer_costs
 from megapipe.cost.memory import activation_bytes_per_layer, p2p_bytes
 from megapipe.cost.params import bytes_per_parameter, matmul_parameter_count, parameter_count
@@ -23,7 +23,9 @@ __all__ = [
     "Collective",
     "collective_ms",
     "gemm_ms",
+    "attention_ms",
     "memory_ms",
+    "peak_flops",
     "tensor_parallel_link",
     "attention_flops",
     "decoder_gemm_flops",

@@ -3,13 +3,13 @@
 The analytical model predicts each unit's forward and backward time from FLOPs, bytes
 and a :class:`~megapipe.records.GpuSpec`. Three of its fields are efficiencies rather
 than datasheet figures: ``matmul_efficiency`` (achieved share of peak on large GEMMs),
-``matmul_half_flops`` (GEMM size at which half of that is reached) and
+``kernel_overhead_us`` (fixed time per kernel, which dominates small GEMMs) and
 ``bandwidth_efficiency`` (achieved share of HBM bandwidth). :func:`fit_gpu` chooses
 them to minimise the squared log-ratio of predicted to measured time over every
 measured unit (log residuals weigh a 0.1 ms layer like a 100 ms one), by
 Levenberg-Marquardt (Marquardt 1963; Nocedal & Wright, *Numerical Optimization*,
 sec. 10.3) in free coordinates: the logit of each efficiency, so it stays in (0, 1),
-and the logarithm of ``matmul_half_flops``, so it stays positive. The predictor is a
+and the logarithm of ``kernel_overhead_us``, so it stays positive. The predictor is a
 black box, so the fit follows whatever form the cost model takes.
 
 Pure: no torch, no I/O. The CLI (``megapipe calibrate``) reads profiles and writes the
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megapipe.errors import ProfileError
+from megapipe.least_squares import identified, jacobian, levenberg_marquardt
 from megapipe.records import (
     Activation,
     AttentionBackend,
@@ -55,7 +56,7 @@ __all__ = [
     "overlay_yaml",
 ]
 
-FIELDS = ("matmul_efficiency", "matmul_half_flops", "bandwidth_efficiency")
+FIELDS = ("matmul_efficiency", "kernel_overhead_us", "bandwidth_efficiency")
 _LOOPBACK = LinkSpec(kind="loopback", bandwidth_gbytes_per_s=1e6, latency_us=0.0)
 _TIMES = ("fwd_ms", "bwd_ms")
 
@@ -156,74 +157,21 @@ def time_errors(*, samples: Sequence[Sample], gpu: GpuSpec, predict: Predictor |
 
 
 def _to_free(name: str, value: float) -> float:
-    """Unconstrained coordinate: logit for efficiencies (kept in (0, 1)), log for matmul_half_flops."""
-    if name == "matmul_half_flops":
-        return math.log(value)
+    """Unconstrained coordinate: logit for efficiencies (kept in (0, 1)), log for kernel_overhead_us."""
+    if name == "kernel_overhead_us":
+        return math.log(max(value, 1e-6))
     value = min(max(value, 1e-9), 1 - 1e-9)
     return math.log(value / (1 - value))
 
 
 def _from_free(name: str, theta: float) -> float:
-    if name == "matmul_half_flops":
+    if name == "kernel_overhead_us":
         return math.exp(theta)
     return 1.0 / (1.0 + math.exp(-theta))
 
 
 def _with_free(gpu: GpuSpec, fields: Sequence[str], theta: np.ndarray) -> GpuSpec:
     return dataclasses.replace(gpu, **{name: _from_free(name, float(value)) for name, value in zip(fields, theta)})
-
-
-def _jacobian(residual: Callable[[np.ndarray], np.ndarray], theta: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """Central differences in the free coordinates (step 1e-5)."""
-    columns = []
-    for index in range(theta.size):
-        step = np.zeros_like(theta)
-        step[index] = 1e-5
-        columns.append((residual(theta + step) - residual(theta - step)) / 2e-5)
-    return np.stack(columns, axis=1) if columns else np.zeros((base.size, 0))
-
-
-_RCOND = 1e-3
-"""Singular values below this share of the largest mark parameter combinations the data cannot fix."""
-
-
-def _kept_directions(jacobian: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    u, singular, vt = np.linalg.svd(jacobian, full_matrices=False)
-    keep = singular > _RCOND * (singular[0] if singular.size else 0.0)
-    return u[:, keep], singular[keep], vt[keep]
-
-
-def _levenberg_marquardt(residual, theta: np.ndarray, *, max_iter: int) -> tuple[np.ndarray, int]:
-    """LM in the SVD basis of the Jacobian, truncated to well-determined directions.
-
-    The truncation keeps a degenerate fit (e.g. only tiny GEMMs, where time depends on
-    matmul_half_flops / matmul_efficiency alone) from drifting along the undetermined
-    direction: those combinations stay at their prior values.
-    """
-    damping, current = 1e-3, residual(theta)
-    for iteration in range(1, max_iter + 1):
-        u, singular, vt = _kept_directions(_jacobian(residual, theta, current))
-        projected = u.T @ current
-        improved, step = False, np.zeros_like(theta)
-        while damping < 1e12:
-            step = -vt.T @ (singular * projected / (singular**2 + damping * singular[0] ** 2))
-            candidate = residual(theta + step)
-            if candidate @ candidate < current @ current:
-                theta, current, damping, improved = theta + step, candidate, max(damping / 10, 1e-15), True
-                break
-            damping *= 10
-        if not improved or np.max(np.abs(step), initial=0.0) < 1e-12:
-            return theta, iteration
-    return theta, max_iter
-
-
-def _identified(jacobian: np.ndarray, fields: Sequence[str]) -> list[str]:
-    """Fields mostly inside the well-determined directions of the Jacobian."""
-    if jacobian.size == 0:
-        return []
-    _, _, vt = _kept_directions(jacobian)
-    share = np.sum(vt**2, axis=0)
-    return [name for name, weight in zip(fields, share) if weight > 0.5]
 
 
 def fit_gpu(
@@ -237,7 +185,7 @@ def fit_gpu(
     """Least squares on log time over the given GpuSpec fields, starting from ``gpu``'s values.
 
     Combinations of fields that the measurements do not determine (e.g. bandwidth_efficiency
-    when the predictor ignores bandwidth, or matmul_efficiency apart from matmul_half_flops
+    when the predictor ignores bandwidth, or matmul_efficiency apart from kernel_overhead_us
     when every GEMM is tiny) keep their prior values and those fields are reported as not
     identified.
     """
@@ -255,14 +203,14 @@ def fit_gpu(
     def residual(values: np.ndarray) -> np.ndarray:
         return _log_residuals(samples, _with_free(gpu, moving, values), predict)
 
-    theta, iterations = _levenberg_marquardt(residual, np.array([_to_free(name, getattr(gpu, name)) for name in moving]),
+    theta, iterations = levenberg_marquardt(residual, np.array([_to_free(name, getattr(gpu, name)) for name in moving]),
                                              max_iter=max_iter)
     fitted = _with_free(gpu, moving, theta)
     after = residual(theta)
-    identified = _identified(_jacobian(residual, theta, after), moving)
+    determined = identified(jacobian(residual, theta, after), moving)
     return Calibration(
         gpu=fitted,
-        identified=tuple(identified),
+        identified=tuple(determined),
         rms_log_error_before=float(np.sqrt(np.mean(before**2))),
         rms_log_error_after=float(np.sqrt(np.mean(after**2))),
         mean_abs_rel_error_before=_mean_abs(time_errors(samples=samples, gpu=gpu, predict=predict)),

@@ -1,76 +1,118 @@
 """After the pipeline drains: data-parallel gradient sync and the optimizer step.
 
-Data-parallel sync (ring collectives, :mod:`megapipe.cost.comm`): each of d ranks sends
-``2 (d-1)/d * B`` bytes for an all-reduce of B bytes, and half that for a reduce-scatter
-or an all-gather. Megatron's DDP reduces gradients over the data-parallel x context-parallel
-group (d = DP * CP); with the distributed optimizer it reduce-scatters gradients and
-all-gathers the updated bf16 parameters, the same 2 (d-1)/d * B in total.
+Data-parallel sync (ring collectives, :mod:`megapipe.cost.comm`): Megatron's DDP reduces
+gradients over the data-parallel x context-parallel group (d = DP * CP); with the distributed
+optimizer it reduce-scatters the gradients and all-gathers the updated parameters, otherwise it
+all-reduces the gradients. Gradients are reduced in fp32 for bf16 training: Megatron-LM sets
+``accumulate_allreduce_grads_in_fp32`` for ``--bf16`` unless ``--grad-reduce-in-bf16``
+(``megatron/training/arguments.py``), and NeMo's and Megatron-Bridge's DDP configs set
+``grad_reduce_in_fp32``; fp16 reduces in fp16. The parameters are gathered in their training
+dtype (bf16), or in FP8 with ``--fp8-param-gather``.
 
-Overlap (Megatron ``overlap_grad_reduce`` / ``overlap_param_gather``): gradient buckets are
-reduced while the last microbatch's backward still runs on the rank, and the parameter
-all-gather runs under the next step's first forward. So the exposed time is
-``max(0, reduce - backward of one microbatch) + max(0, gather - forward of one microbatch)``.
-This is optimistic when buckets are few and pessimistic when the last stage's early finish
-hides more; it is a stated approximation, validated in docs/validation.md when measured.
+Overlap (``overlap_grad_reduce`` / ``overlap_param_gather``): the gradient buffer is cut into
+buckets of ``max(40M, 1M x d)`` parameters (megatron-core ``DistributedDataParallel``); each
+bucket is reduced as soon as the last microbatch's backward has produced it, so the reduction
+runs under that backward, and the last bucket only after it. The parameter all-gather runs
+bucket by bucket under the next step's first forward. Exposed time per rank:
+
+    max(one bucket, reduce - backward of one microbatch) + max(one bucket, gather - forward of one)
+
+and the whole of each collective without the overlap flags.
 
 Bandwidth: Megatron orders ranks tp-cp-dp-pp, so a DP x CP group spans ``tp * cp * dp``
-consecutive GPUs; it stays on the intra-node link when that fits in one node, otherwise
-the ring is limited by the per-GPU inter-node bandwidth.
+consecutive GPUs, ``tp`` apart; it stays on the intra-node link inside one NVLink domain, and
+across domains runs at its members' NICs together (:func:`megapipe.cost.comm.group_link`).
 
-Optimizer step (memory-bound Adam with fp32 master weights, Megatron's mixed precision):
-per parameter it reads the gradient (2 bytes bf16 / 4 fp32), reads and writes the fp32
-master weight, exp_avg and exp_avg_sq (3 x 8 bytes) and writes the 16-bit parameter
-(2 bytes): 28 bytes in bf16. With the distributed optimizer each rank updates 1/d of them.
+Optimizer step (memory-bound, Megatron's distributed Adam over its shard of 1/d parameters):
+the gradient-norm pass reads the fp32 main gradient (4 bytes); Adam reads the gradient and reads
+and writes the fp32 master weight, exp_avg and exp_avg_sq (4 + 3 x 8); the updated master is
+copied into the 16-bit parameter buffer (4 + 2): 38 bytes per shard parameter. Zeroing the
+whole gradient buffer for the next step writes 4 bytes per parameter of the rank.
 """
 
 from __future__ import annotations
 
-from megapipe.cost.comm import Algorithm, Collective, collective_ms
-from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ParallelSpec
+from megapipe.cost.comm import Algorithm, Collective, collective_ms, group_link
+from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ParallelSpec, TrainSpec
 
-__all__ = ["grad_bytes_per_param", "dp_link", "dp_sync_ms", "optimizer_step_ms", "ADAM_BYTES_PER_PARAM"]
+__all__ = [
+    "grad_bytes_per_param",
+    "param_gather_bytes_per_param",
+    "bucket_params",
+    "dp_link",
+    "dp_sync_ms",
+    "optimizer_step_ms",
+    "OPTIMIZER_BYTES_PER_SHARD_PARAM",
+]
 
-ADAM_BYTES_PER_PARAM = 3 * 8 + 2
-"""fp32 master, exp_avg, exp_avg_sq read and written, plus the 16-bit parameter written; the gradient read is added."""
+OPTIMIZER_BYTES_PER_SHARD_PARAM = 4 + (4 + 3 * 8) + (4 + 2)
+"""Gradient norm, Adam's reads and writes, and the copy into the 16-bit parameter (see the module docstring)."""
+_ZERO_GRAD_BYTES = 4
+_BUCKET_MIN_PARAMS = 40_000_000
+_BUCKET_PARAMS_PER_RANK = 1_000_000
 
 
 def grad_bytes_per_param(precision: str) -> int:
-    """Megatron's default grad_reduce_in_fp32=False keeps gradients in the training dtype."""
-    return 4 if precision == "fp32" else 2
+    """Bytes per gradient element as Megatron reduces it: fp32 except under fp16."""
+    return 2 if precision == "fp16" else 4
+
+
+def param_gather_bytes_per_param(train: TrainSpec) -> float:
+    """Bytes per parameter the distributed optimizer all-gathers: the training dtype, FP8 with fp8_param_gather."""
+    if train.precision == "fp32":
+        return 4.0
+    return 1.0 if train.precision == "fp8" and train.fp8_param_gather else 2.0
+
+
+def bucket_params(parallel: ParallelSpec) -> int:
+    """megatron-core's default DDP bucket: max(40M, 1M x data-parallel ranks) parameters."""
+    group = parallel.data_parallel_size * parallel.context_parallel_size
+    return max(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_RANK * group)
 
 
 def dp_link(*, cluster: ClusterSpec, parallel: ParallelSpec) -> LinkSpec:
-    span = parallel.tensor_model_parallel_size * parallel.context_parallel_size * parallel.data_parallel_size
-    return cluster.intra_node if span <= cluster.gpus_per_node else cluster.inter_node
+    stride = parallel.tensor_model_parallel_size
+    return group_link(cluster=cluster, span=stride * parallel.context_parallel_size * parallel.data_parallel_size,
+                      stride=stride)
 
 
-def dp_sync_ms(
-    *,
-    params_per_gpu: float,
-    precision: str,
-    cluster: ClusterSpec,
-    parallel: ParallelSpec,
-    backward_ms: float,
-    forward_ms: float,
-) -> float:
+def _overlapped(total_ms: float, bucket_ms: float, window_ms: float, overlap: bool) -> float:
+    if not overlap:
+        return total_ms
+    return max(min(bucket_ms, total_ms), total_ms - window_ms)
+
+
+def dp_sync_ms(*, params_per_gpu: float, train: TrainSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+               backward_ms: float, forward_ms: float) -> float:
     """Exposed DP time of one rank, ms; ``backward_ms``/``forward_ms`` are its per-microbatch times."""
     group = parallel.data_parallel_size * parallel.context_parallel_size
+    if group <= 1 or params_per_gpu <= 0:
+        return 0.0
     link = dp_link(cluster=cluster, parallel=parallel)
-    num_bytes = params_per_gpu * grad_bytes_per_param(precision)
+    scale = cluster.runtime.comm_efficiency_scale
+
+    def ring(kind: Collective, params: float, element_bytes: float) -> float:
+        return collective_ms(kind=kind, num_bytes=params * element_bytes, group_size=group, link=link,
+                             algorithm=Algorithm.ring, efficiency_scale=scale)
+
+    grad_bytes = grad_bytes_per_param(train.precision)
+    bucket = min(params_per_gpu, bucket_params(parallel))
     if not parallel.use_distributed_optimizer:
-        reduce = collective_ms(kind=Collective.all_reduce, num_bytes=num_bytes, group_size=group, link=link,
-                               algorithm=Algorithm.ring)
-        return max(0.0, reduce - backward_ms)
-    half = collective_ms(kind=Collective.reduce_scatter, num_bytes=num_bytes, group_size=group, link=link,
-                         algorithm=Algorithm.ring)
-    return max(0.0, half - backward_ms) + max(0.0, half - forward_ms)
+        reduce = ring(Collective.all_reduce, params_per_gpu, grad_bytes)
+        return _overlapped(reduce, ring(Collective.all_reduce, bucket, grad_bytes), backward_ms,
+                           parallel.overlap_grad_reduce)
+    reduce = _overlapped(ring(Collective.reduce_scatter, params_per_gpu, grad_bytes),
+                         ring(Collective.reduce_scatter, bucket, grad_bytes), backward_ms, parallel.overlap_grad_reduce)
+    gather_bytes = param_gather_bytes_per_param(train)
+    gather = _overlapped(ring(Collective.all_gather, params_per_gpu, gather_bytes),
+                         ring(Collective.all_gather, bucket, gather_bytes), forward_ms, parallel.overlap_param_gather)
+    return reduce + gather
 
 
-def optimizer_step_ms(*, params_per_gpu: float, gpu: GpuSpec, parallel: ParallelSpec, precision: str) -> float:
-    """Memory-bound Adam over the rank's share of parameters, ms."""
+def optimizer_step_ms(*, params_per_gpu: float, gpu: GpuSpec, parallel: ParallelSpec) -> float:
+    """Memory-bound distributed Adam over the rank's shard, and zeroing its gradient buffer, ms."""
     share = params_per_gpu
     if parallel.use_distributed_optimizer:
         share /= parallel.data_parallel_size * parallel.context_parallel_size
-    per_param = ADAM_BYTES_PER_PARAM + grad_bytes_per_param(precision)
-    bandwidth = gpu.hbm_gbytes_per_s * 1e9 * gpu.bandwidth_efficiency
-    return 1e3 * share * per_param / bandwidth
+    num_bytes = share * OPTIMIZER_BYTES_PER_SHARD_PARAM + params_per_gpu * _ZERO_GRAD_BYTES
+    return 1e3 * num_bytes / (gpu.hbm_gbytes_per_s * 1e9 * gpu.bandwidth_efficiency)

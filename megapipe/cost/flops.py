@@ -19,11 +19,17 @@ under context parallelism a GPU owns ``s/cp`` queries against all ``s`` keys.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from megapipe.cost.params import matmul_parameter_count
 from megapipe.cost.shapes import Shapes
 from megapipe.records import ModelSpec
 
 __all__ = [
+    "Gemm",
+    "decoder_gemms",
+    "output_gemms",
+    "mtp_gemms",
     "decoder_gemm_flops",
     "attention_flops",
     "output_gemm_flops",
@@ -32,16 +38,54 @@ __all__ = [
 ]
 
 
-def decoder_gemm_flops(shapes: Shapes) -> tuple[float, ...]:
-    """Forward FLOPs of linear_qkv, linear_proj, linear_fc1, linear_fc2 on one GPU."""
+class Gemm(NamedTuple):
+    """One forward GEMM on one GPU: ``tokens x k`` activations by a ``k x n`` weight.
+
+    Its backward is the input gradient (``tokens x n`` by ``n x k``: output ``tokens x k``) and the
+    weight gradient (``k x tokens`` by ``tokens x n``: output ``k x n``, reducing over tokens).
+    """
+
+    name: str
+    tokens: float
+    n: float
+    k: float
+    column_parallel: bool
+    """Column-parallel (input all-gathered under SP, output sharded) or row-parallel (input sharded,
+    output all-reduced, or reduce-scattered under SP): what its TP collective overlaps with."""
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.tokens * self.n * self.k
+
+
+def decoder_gemms(shapes: Shapes) -> tuple[Gemm, ...]:
+    """linear_qkv, linear_proj, linear_fc1 (``2f`` wide for SwiGLU), linear_fc2 on one GPU."""
     tokens, h, t = shapes.tokens, shapes.hidden_size, shapes.tensor_model_parallel_size
     q, kv, f = shapes.query_size, shapes.kv_size, shapes.ffn_hidden_size
     return (
-        2.0 * tokens * h * (q + 2 * kv) / t,
-        2.0 * tokens * q * h / t,
-        2.0 * tokens * h * f * (2 if shapes.gated else 1) / t,
-        2.0 * tokens * f * h / t,
+        Gemm("linear_qkv", tokens, (q + 2 * kv) / t, h, True),
+        Gemm("linear_proj", tokens, h, q / t, False),
+        Gemm("linear_fc1", tokens, f * (2 if shapes.gated else 1) / t, h, True),
+        Gemm("linear_fc2", tokens, h, f / t, False),
     )
+
+
+def output_gemms(shapes: Shapes) -> tuple[Gemm, ...]:
+    """The output projection to the (padded, vocab-parallel) vocabulary."""
+    return (Gemm("output_layer", shapes.tokens, shapes.vocab_size / shapes.tensor_model_parallel_size,
+                 shapes.hidden_size, True),)
+
+
+def mtp_gemms(shapes: Shapes) -> tuple[Gemm, ...]:
+    """One MTP block: eh_proj (``2h -> h``), its decoder layer, and the shared output head."""
+    t = shapes.tensor_model_parallel_size
+    eh_proj = Gemm("eh_proj", shapes.tokens, shapes.hidden_size / t, 2 * shapes.hidden_size, True)
+    return (eh_proj, *decoder_gemms(shapes), *output_gemms(shapes))
+
+
+def decoder_gemm_flops(shapes: Shapes) -> tuple[float, ...]:
+    """Forward FLOPs of linear_qkv, linear_proj, linear_fc1, linear_fc2 on one GPU."""
+    return tuple(gemm.flops for gemm in decoder_gemms(shapes))
 
 
 def attention_flops(shapes: Shapes) -> float:
@@ -54,13 +98,12 @@ def attention_flops(shapes: Shapes) -> float:
 
 def output_gemm_flops(shapes: Shapes) -> tuple[float, ...]:
     """Forward FLOPs of the output projection to the (padded, vocab-parallel) vocabulary: ``2 T h V / t``."""
-    return (2.0 * shapes.tokens * shapes.hidden_size * shapes.vocab_size / shapes.tensor_model_parallel_size,)
+    return tuple(gemm.flops for gemm in output_gemms(shapes))
 
 
 def mtp_gemm_flops(shapes: Shapes) -> tuple[float, ...]:
     """One MTP block: eh_proj (``2h -> h``), its decoder layer, and the shared output head."""
-    eh_proj = 2.0 * shapes.tokens * 2 * shapes.hidden_size * shapes.hidden_size / shapes.tensor_model_parallel_size
-    return (eh_proj, *decoder_gemm_flops(shapes), *output_gemm_flops(shapes))
+    return tuple(gemm.flops for gemm in mtp_gemms(shapes))
 
 
 def model_flops_per_token(model: ModelSpec, seq_length: int, *, causal: bool = True) -> float:

@@ -1,46 +1,65 @@
-"""The analytical profile: one ``LayerCost`` per pipeline unit from FLOPs, bytes and the GPU.
+"""The analytical profile: one ``LayerCost`` per pipeline unit, built from its kernels.
 
-Per unit and microbatch on one GPU of its stage:
+Per unit and microbatch on one GPU of its stage, each time is the sum of its parts
+(:data:`megapipe.records.TIME_PARTS`, reported as ``LayerCost.parts``):
 
-- ``fwd_ms`` = GEMMs on the efficiency curve + attention core + memory-bound kernels
-  + tensor-parallel collectives (costed serially: Megatron overlaps some backward
-  ones with GEMMs, which calibration absorbs);
-- ``bwd_ms`` = dgrad + wgrad GEMMs (2x forward), attention backward, 2x the
-  forward's memory traffic, the backward collectives, plus recomputation: the whole
-  forward under full recompute, the attention core's forward under selective;
-- ``wgrad_ms`` = the weight-gradient GEMMs (zero-bubble W); the embedding's entire
-  backward is weight gradient;
-- ``static_bytes`` = parameters per GPU x :func:`bytes_per_parameter`;
-- ``act_bytes`` from :mod:`megapipe.cost.memory`.
+- **gemm**: every linear layer's forward GEMM, and in the backward its input-gradient (dgrad) and
+  weight-gradient (wgrad) GEMMs, each timed by its own shape (:func:`megapipe.cost.kernels.gemm_ms`:
+  tile and wave quantization, roofline); wgrad is the zero-bubble W;
+- **attention**: the flash/fused kernel forward and backward (:func:`~megapipe.cost.kernels.attention_ms`),
+  or unfused attention's batched GEMMs and softmax;
+- **memory_bound**: norms, RoPE, residual adds, activation, embedding lookup, cross-entropy
+  (:mod:`megapipe.cost.traffic`) at the achieved HBM bandwidth, plus a fixed cost per kernel;
+- **fp8_cast**: Transformer Engine's quantize(-transpose) kernels under FP8;
+- **tp_comm**: the *exposed* part of the tensor-parallel collectives, see below;
+- **cp_comm**: the exposed part of context parallelism's ring exchange of K and V, see below;
+- **recompute**: the forward run again in the backward, all of it under full recompute, the
+  attention core under selective (Korthikanti et al. 2022, Sec. 5).
 
-Attention core time: causal flash/fused kernels skip the masked half of the square,
-and their backward recomputes ``Q K^T``: five ``s x s`` matmuls against the forward's
-two (Dao 2023, "FlashAttention-2", Sec. 3.1), so backward = 2.5 x forward. Unfused
-attention runs both batched GEMMs on the full square plus the softmax traffic.
+Tensor-parallel collectives (Shoeybi et al. 2019; Korthikanti et al. 2022 Sec. 4.2.2): per linear
+layer, an all-gather of the input before a column-parallel GEMM and a reduce-scatter after a
+row-parallel one under sequence parallelism, an all-reduce after the row-parallel one otherwise;
+the backward mirrors them. What Megatron hides without ``--tp-comm-overlap``: a column-parallel
+layer's backward all-gathers its input again under the dgrad GEMM and reduces its input gradient
+under the wgrad GEMM (megatron-core ``LinearWithGradAccumulationAndAsyncCommunication``, and the
+same in Transformer Engine's layers), so only the excess shows; the forward collectives and the
+row-parallel layer's backward all-gather are exposed. With ``--tp-comm-overlap`` (Transformer
+Engine userbuffers; Wang et al. 2022, "Overlap Communication with Dependent Computation") every
+collective is split into ``t`` chunks pipelined with its GEMM: the first chunk and any excess over
+the GEMM are exposed.
+
+Context parallelism (Megatron's p2p ring, Liu et al. 2023 "Ring Attention"): in each of the
+``cp - 1`` steps a GPU sends its K, V block on while it computes attention on the one it holds
+(twice the bytes in the backward, K, V and their gradients), so a step exposes what its transfer
+takes beyond its 1/cp share of the attention kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapipe.cost.comm import Collective, collective_ms, tensor_parallel_link
-from megapipe.cost.efficiency import gemm_ms, memory_ms
-from megapipe.cost.flops import attention_flops, decoder_gemm_flops, output_gemm_flops
+from megapipe.cost.comm import Collective, collective_ms, p2p_link, p2p_ms, tensor_parallel_link
+from megapipe.cost.flops import Gemm, decoder_gemms, output_gemms
+from megapipe.cost.kernels import attention_ms, gemm_ms, memory_ms
 from megapipe.cost.memory import (
     decoder_activation_bytes,
     embedding_activation_bytes,
     mtp_activation_bytes,
     output_activation_bytes,
 )
-from megapipe.cost.params import bytes_per_parameter, decoder_params, embedding_params, mtp_params, output_params
+from megapipe.cost.params import decoder_params, embedding_params, mtp_params, output_params, unit_static_bytes
 from megapipe.cost.shapes import Shapes, shapes_of
 from megapipe.cost.traffic import (
     attention_core_traffic_bytes,
+    decoder_kernels,
     decoder_traffic_bytes,
     embedding_traffic_bytes,
+    fp8_cast_kernels,
+    fp8_cast_traffic_bytes,
     output_traffic_bytes,
 )
 from megapipe.records import (
+    TIME_PARTS,
     ClusterSpec,
     GpuSpec,
     LayerCost,
@@ -50,14 +69,15 @@ from megapipe.records import (
     ParallelSpec,
     Profile,
     Recompute,
+    RuntimeSpec,
     TrainSpec,
 )
 
 __all__ = ["layer_costs"]
 
-_FLASH_BACKWARD_RATIO = 2.5
 _CROSS_ENTROPY_ALL_REDUCES = 3
 """Max, target logit and sum of exp, each a [s, b] fp32 all-reduce (Megatron's vocab_parallel_cross_entropy)."""
+_PART = {name: index for index, name in enumerate(TIME_PARTS)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,120 +85,158 @@ class _Timing:
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
     wgrad_ms: float = 0.0
+    parts: tuple[float, ...] = (0.0,) * len(TIME_PARTS)
 
     def __add__(self, other: "_Timing") -> "_Timing":
-        return _Timing(self.fwd_ms + other.fwd_ms, self.bwd_ms + other.bwd_ms, self.wgrad_ms + other.wgrad_ms)
+        return _Timing(self.fwd_ms + other.fwd_ms, self.bwd_ms + other.bwd_ms, self.wgrad_ms + other.wgrad_ms,
+                       tuple(a + b for a, b in zip(self.parts, other.parts)))
+
+
+def _part(name: str, fwd_ms: float, bwd_ms: float = 0.0, wgrad_ms: float = 0.0) -> _Timing:
+    parts = [0.0] * len(TIME_PARTS)
+    parts[_PART[name]] = fwd_ms + bwd_ms
+    return _Timing(fwd_ms, bwd_ms, wgrad_ms, tuple(parts))
 
 
 @dataclass(frozen=True, slots=True)
 class _Device:
     gpu: GpuSpec
     link: LinkSpec
-    precision: str
+    """The tensor-parallel group's link."""
+    cp_link: LinkSpec
+    runtime: RuntimeSpec
+    tp_comm_overlap: bool
 
 
-def _gemms(flops: tuple[float, ...], device: _Device) -> _Timing:
-    forward = sum(gemm_ms(flops=f, gpu=device.gpu, precision=device.precision) for f in flops)
-    return _Timing(forward, 2 * forward, forward)
+def _gemm(m: float, n: float, k: float, shapes: Shapes, device: _Device, dtype: str | None = None) -> float:
+    return gemm_ms(m=m, n=n, k=k, dtype=dtype or shapes.gemm_dtype, gpu=device.gpu, runtime=device.runtime)
 
 
-def _memory(forward_bytes: float, backward_bytes: float, device: _Device) -> _Timing:
-    return _Timing(memory_ms(num_bytes=forward_bytes, gpu=device.gpu), memory_ms(num_bytes=backward_bytes, gpu=device.gpu))
+def _tp_ms(kind: Collective, shapes: Shapes, device: _Device, num_bytes: float | None = None) -> float:
+    """One collective over the TP group on the full ``[s/cp, b, h]`` hidden state (or ``num_bytes``)."""
+    if num_bytes is None:
+        num_bytes = shapes.element_bytes * shapes.tokens * shapes.hidden_size
+    return collective_ms(kind=kind, num_bytes=num_bytes, group_size=shapes.tensor_model_parallel_size,
+                         link=device.link, efficiency_scale=device.runtime.comm_efficiency_scale)
+
+
+def _exposed(comm_ms: float, under_ms: float, shapes: Shapes, device: _Device, *, hidden: bool) -> float:
+    """What a collective shows beside the GEMM ``under_ms`` it may overlap with."""
+    if device.tp_comm_overlap:
+        return max(0.0, comm_ms - under_ms) + min(comm_ms, under_ms) / shapes.tensor_model_parallel_size
+    return max(0.0, comm_ms - under_ms) if hidden else comm_ms
+
+
+def _linear(gemm: Gemm, shapes: Shapes, device: _Device, *, dtype: str | None = None) -> _Timing:
+    """One linear layer: forward, dgrad and wgrad GEMMs and its exposed TP collectives."""
+    fwd = _gemm(gemm.tokens, gemm.n, gemm.k, shapes, device, dtype)
+    dgrad = _gemm(gemm.tokens, gemm.k, gemm.n, shapes, device, dtype)
+    wgrad = _gemm(gemm.k, gemm.n, gemm.tokens, shapes, device, dtype)
+    timing = _part("gemm", fwd, dgrad + wgrad, wgrad)
+    if shapes.tensor_model_parallel_size == 1:
+        return timing
+    sp = shapes.sequence_parallel
+    if gemm.column_parallel:
+        gather = _tp_ms(Collective.all_gather, shapes, device) if sp else 0.0
+        reduce = _tp_ms(Collective.reduce_scatter if sp else Collective.all_reduce, shapes, device)
+        forward = _exposed(gather, fwd, shapes, device, hidden=False)
+        backward = (_exposed(gather, dgrad, shapes, device, hidden=True)
+                    + _exposed(reduce, wgrad, shapes, device, hidden=True))
+    else:
+        reduce = _tp_ms(Collective.reduce_scatter if sp else Collective.all_reduce, shapes, device)
+        gather = _tp_ms(Collective.all_gather, shapes, device) if sp else 0.0
+        forward = _exposed(reduce, fwd, shapes, device, hidden=False)
+        backward = _exposed(gather, dgrad, shapes, device, hidden=False)
+    return timing + _part("tp_comm", forward, backward)
+
+
+def _memory(name: str, forward_bytes: float, backward_bytes: float, kernels: tuple[int, int], device: _Device) -> _Timing:
+    gpu = device.gpu
+    return _part(name, memory_ms(num_bytes=forward_bytes, gpu=gpu, kernels=kernels[0]),
+                 memory_ms(num_bytes=backward_bytes, gpu=gpu, kernels=kernels[1]))
 
 
 def _attention_core(shapes: Shapes, device: _Device) -> _Timing:
-    full_square = attention_flops(shapes)
+    heads = shapes.micro_batch_size * shapes.num_attention_heads / shapes.tensor_model_parallel_size
     if shapes.unfused_attention:
-        per_gemm = gemm_ms(flops=full_square / 2, gpu=device.gpu, precision=device.precision)
+        rows, s, d = heads * shapes.local_seq_length, shapes.seq_length, shapes.head_dim
+        scores = _gemm(rows, s, d, shapes, device, "bf16")
+        context = _gemm(rows, d, s, shapes, device, "bf16")
         traffic = attention_core_traffic_bytes(shapes)
-        return _Timing(2 * per_gemm, 4 * per_gemm) + _memory(traffic, 2 * traffic, device)
-    causal = full_square / 2
-    return _Timing(
-        gemm_ms(flops=causal, gpu=device.gpu, precision=device.precision),
-        gemm_ms(flops=_FLASH_BACKWARD_RATIO * causal, gpu=device.gpu, precision=device.precision),
-    )
+        return (_part("attention", scores + context, 2 * (scores + context))
+                + _memory("attention", traffic, 2 * traffic, (1, 1), device))
+    cp = shapes.context_parallel_size
+    common = dict(batch_heads=heads, q_len=shapes.local_seq_length, kv_len=shapes.seq_length,
+                  head_dim=shapes.head_dim, causal=True, gpu=device.gpu, runtime=device.runtime, calls=cp)
+    return _part("attention", attention_ms(backward=False, **common), attention_ms(backward=True, **common))
 
 
-def _collectives(shapes: Shapes, device: _Device, forward: tuple[Collective, ...],
-                 backward: tuple[Collective, ...]) -> _Timing:
-    """Collectives over the TP group on the full ``[s/cp, b, h]`` hidden state."""
-    num_bytes = shapes.element_bytes * shapes.tokens * shapes.hidden_size
-    group, link = shapes.tensor_model_parallel_size, device.link
-
-    def total(kinds: tuple[Collective, ...]) -> float:
-        return sum(collective_ms(kind=k, num_bytes=num_bytes, group_size=group, link=link) for k in kinds)
-
-    return _Timing(total(forward), total(backward))
-
-
-def _decoder_collectives(shapes: Shapes, device: _Device) -> _Timing:
-    """Two per pass (after attention and after the MLP): all-reduce, or all-gather + reduce-scatter with SP."""
-    if shapes.sequence_parallel:
-        pair = (Collective.all_gather, Collective.reduce_scatter) * 2
-        return _collectives(shapes, device, pair, pair)
-    pair = (Collective.all_reduce,) * 2
-    return _collectives(shapes, device, pair, pair)
+def _ring_exchange(shapes: Shapes, core: _Timing, device: _Device) -> _Timing:
+    """Context parallelism's exposed K, V transfers, forward and backward."""
+    cp = shapes.context_parallel_size
+    if cp == 1:
+        return _Timing()
+    block = 2 * shapes.element_bytes * shapes.tokens * shapes.kv_size / shapes.tensor_model_parallel_size
+    send = p2p_ms(num_bytes=block, link=device.cp_link, efficiency_scale=device.runtime.comm_efficiency_scale)
+    forward = (cp - 1) * max(0.0, send - core.fwd_ms / cp)
+    backward = (cp - 1) * max(0.0, 2 * send - core.bwd_ms / cp)
+    return _part("cp_comm", forward, backward)
 
 
-def _with_recompute(timing: _Timing, core: _Timing, shapes: Shapes) -> _Timing:
+def _recompute(timing: _Timing, core: _Timing, shapes: Shapes) -> _Timing:
     if shapes.recompute == Recompute.full:
-        return _Timing(timing.fwd_ms, timing.bwd_ms + timing.fwd_ms, timing.wgrad_ms)
+        return timing + _part("recompute", 0.0, timing.fwd_ms)
     if shapes.recompute == Recompute.selective:
-        return _Timing(timing.fwd_ms, timing.bwd_ms + core.fwd_ms, timing.wgrad_ms)
+        return timing + _part("recompute", 0.0, core.fwd_ms)
     return timing
 
 
 def _decoder_timing(shapes: Shapes, device: _Device) -> _Timing:
     core = _attention_core(shapes, device)
+    timing = core + _ring_exchange(shapes, core, device)
+    for gemm in decoder_gemms(shapes):
+        timing = timing + _linear(gemm, shapes, device)
     traffic = decoder_traffic_bytes(shapes)
-    timing = (
-        _gemms(decoder_gemm_flops(shapes), device) + core + _memory(traffic, 2 * traffic, device)
-        + _decoder_collectives(shapes, device)
-    )
-    return _with_recompute(timing, core, shapes)
+    timing = timing + _memory("memory_bound", traffic, 2 * traffic, decoder_kernels(shapes), device)
+    timing = timing + _memory("fp8_cast", *fp8_cast_traffic_bytes(shapes), fp8_cast_kernels(shapes), device)
+    return _recompute(timing, core, shapes)
 
 
 def _embedding_timing(shapes: Shapes, device: _Device) -> _Timing:
     """Lookup on every vocab shard, then all-reduce (reduce-scatter with SP); all of backward is wgrad."""
     forward_bytes, backward_bytes = embedding_traffic_bytes(shapes)
     if shapes.sequence_parallel:
-        comm = _collectives(shapes, device, (Collective.reduce_scatter,), (Collective.all_gather,))
+        comm = _part("tp_comm", _tp_ms(Collective.reduce_scatter, shapes, device),
+                     _tp_ms(Collective.all_gather, shapes, device))
     else:
-        comm = _collectives(shapes, device, (Collective.all_reduce,), ())
-    timing = _memory(forward_bytes, backward_bytes, device) + comm
-    return _Timing(timing.fwd_ms, timing.bwd_ms, timing.bwd_ms)
+        comm = _part("tp_comm", _tp_ms(Collective.all_reduce, shapes, device))
+    timing = _memory("memory_bound", forward_bytes, backward_bytes, (2, 2), device) + comm
+    return _Timing(timing.fwd_ms, timing.bwd_ms, timing.bwd_ms, timing.parts)
 
 
 def _output_timing(shapes: Shapes, device: _Device) -> _Timing:
-    """Final norm, output GEMM and vocab-parallel cross-entropy with its small all-reduces."""
+    """Final norm, output GEMM (bf16 under FP8 training too) and vocab-parallel cross-entropy."""
     forward_bytes, backward_bytes = output_traffic_bytes(shapes)
-    if shapes.sequence_parallel:
-        comm = _collectives(shapes, device, (Collective.all_gather,), (Collective.reduce_scatter,))
-    else:
-        comm = _collectives(shapes, device, (), (Collective.all_reduce,))
-    loss_bytes = 4 * shapes.tokens
-    loss_comm = _CROSS_ENTROPY_ALL_REDUCES * collective_ms(
-        kind=Collective.all_reduce, num_bytes=loss_bytes, group_size=shapes.tensor_model_parallel_size,
-        link=device.link,
-    )
-    return (
-        _gemms(output_gemm_flops(shapes), device) + _memory(forward_bytes, backward_bytes, device) + comm
-        + _Timing(loss_comm, 0.0, 0.0)
-    )
+    timing = _memory("memory_bound", forward_bytes, backward_bytes, (6, 6), device)
+    for gemm in output_gemms(shapes):
+        timing = timing + _linear(gemm, shapes, device, dtype="fp32" if shapes.gemm_dtype == "fp32" else "bf16")
+    loss = _CROSS_ENTROPY_ALL_REDUCES * _tp_ms(Collective.all_reduce, shapes, device, num_bytes=4 * shapes.tokens)
+    return timing + _part("tp_comm", loss)
 
 
 def _mtp_timing(shapes: Shapes, device: _Device) -> _Timing:
     """eh_proj GEMM, one decoder layer (with its recompute), the shared head and loss, and the input lookup."""
-    eh_proj = 2.0 * shapes.tokens * 2 * shapes.hidden_size * shapes.hidden_size / shapes.tensor_model_parallel_size
-    lookup = _embedding_timing(shapes, device)
-    return _gemms((eh_proj,), device) + _decoder_timing(shapes, device) + _output_timing(shapes, device) + lookup
+    eh_proj = Gemm("eh_proj", shapes.tokens, shapes.hidden_size / shapes.tensor_model_parallel_size,
+                   2 * shapes.hidden_size, True)
+    return (_linear(eh_proj, shapes, device) + _decoder_timing(shapes, device) + _output_timing(shapes, device)
+            + _embedding_timing(shapes, device))
 
 
 def _unit(name: str, kind: LayerKind, timing: _Timing, *, params: float, act_bytes: float,
-          bytes_per_param: float) -> LayerCost:
+          static_bytes: float) -> LayerCost:
     return LayerCost(
         name=name, kind=kind, fwd_ms=timing.fwd_ms, bwd_ms=timing.bwd_ms, wgrad_ms=timing.wgrad_ms,
-        static_bytes=params * bytes_per_param, act_bytes=act_bytes, param_count=params,
+        static_bytes=static_bytes, act_bytes=act_bytes, param_count=params, parts=timing.parts,
     )
 
 
@@ -187,29 +245,36 @@ def layer_costs(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, paralle
     """Analytical per-unit costs for one microbatch: embedding, decoder.0..N-1, mtp.i, output.
 
     ``gpu`` is the device of the stage being costed (on a mixed cluster, call once per
-    GPU type); ``cluster`` supplies the tensor-parallel link. Raises ConfigError for
-    shardings Megatron rejects.
+    GPU type); ``cluster`` supplies the tensor- and context-parallel links and the runtime.
+    Raises ConfigError for shardings Megatron rejects.
     """
     shapes = shapes_of(model=model, parallel=parallel, train=train)
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
     device = _Device(
-        gpu=gpu, precision=train.precision,
-        link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=parallel.tensor_model_parallel_size),
+        gpu=gpu, runtime=cluster.runtime, tp_comm_overlap=parallel.tp_comm_overlap and shapes.sequence_parallel,
+        link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=tp),
+        cp_link=p2p_link(cluster=cluster, span=tp * cp),
     )
-    per_param = bytes_per_parameter(precision=train.precision, parallel=parallel)
+
+    def static(kind: LayerKind, params: float) -> float:
+        return unit_static_bytes(kind=kind, params=params, shapes=shapes, parallel=parallel, train=train)
+
     holds_head = model.untie_embeddings_and_output_weights or parallel.pipeline_model_parallel_size > 1
-    decoder = _unit("decoder.0", LayerKind.decoder, _decoder_timing(shapes, device), params=decoder_params(shapes),
-                    act_bytes=decoder_activation_bytes(shapes), bytes_per_param=per_param)
-    mtp = _unit("mtp.0", LayerKind.mtp, _mtp_timing(shapes, device), params=mtp_params(shapes),
-                act_bytes=mtp_activation_bytes(shapes), bytes_per_param=per_param)
+    params = decoder_params(shapes)
+    decoder = _unit("decoder.0", LayerKind.decoder, _decoder_timing(shapes, device), params=params,
+                    act_bytes=decoder_activation_bytes(shapes), static_bytes=static(LayerKind.decoder, params))
+    params = mtp_params(shapes)
+    mtp = _unit("mtp.0", LayerKind.mtp, _mtp_timing(shapes, device), params=params,
+                act_bytes=mtp_activation_bytes(shapes), static_bytes=static(LayerKind.mtp, params))
+    embedding = embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length)
+    output = output_params(shapes, holds_output_weight=holds_head)
     layers = [
-        _unit("embedding", LayerKind.embedding, _embedding_timing(shapes, device),
-              params=embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length),
-              act_bytes=embedding_activation_bytes(shapes), bytes_per_param=per_param),
+        _unit("embedding", LayerKind.embedding, _embedding_timing(shapes, device), params=embedding,
+              act_bytes=embedding_activation_bytes(shapes), static_bytes=static(LayerKind.embedding, embedding)),
         *_named_copies(decoder, "decoder", model.num_layers),
         *_named_copies(mtp, "mtp", model.mtp_num_layers),
-        _unit("output", LayerKind.loss, _output_timing(shapes, device),
-              params=output_params(shapes, holds_output_weight=holds_head),
-              act_bytes=output_activation_bytes(shapes), bytes_per_param=per_param),
+        _unit("output", LayerKind.loss, _output_timing(shapes, device), params=output,
+              act_bytes=output_activation_bytes(shapes), static_bytes=static(LayerKind.loss, output)),
     ]
     return Profile(layers=tuple(layers), device=gpu.name, meta=_meta(model, cluster, parallel, train))
 
@@ -218,16 +283,18 @@ def _named_copies(unit: LayerCost, prefix: str, count: int) -> list[LayerCost]:
     """``count`` copies of ``unit`` named prefix.0, prefix.1, ... (the constructor: dataclasses.replace is slower)."""
     return [
         LayerCost(name=f"{prefix}.{i}", kind=unit.kind, fwd_ms=unit.fwd_ms, bwd_ms=unit.bwd_ms, wgrad_ms=unit.wgrad_ms,
-                  static_bytes=unit.static_bytes, act_bytes=unit.act_bytes, param_count=unit.param_count)
+                  static_bytes=unit.static_bytes, act_bytes=unit.act_bytes, param_count=unit.param_count,
+                  parts=unit.parts)
         for i in range(count)
     ]
 
 
 def _meta(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec) -> tuple:
-    return (
+    meta = [
         ("source", "cost_model"),
         ("model", model.name),
         ("cluster", cluster.name),
+        ("runtime", cluster.runtime.name),
         ("tensor_model_parallel_size", parallel.tensor_model_parallel_size),
         ("sequence_parallel", parallel.sequence_parallel),
         ("context_parallel_size", parallel.context_parallel_size),
@@ -236,4 +303,9 @@ def _meta(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, train:
         ("seq_length", train.seq_length),
         ("recompute_granularity", getattr(train.recompute_granularity, "value", train.recompute_granularity)),
         ("precision", train.precision),
-    )
+    ]
+    if train.fp8_recipe:
+        meta.append(("fp8_recipe", train.fp8_recipe))
+    if parallel.tp_comm_overlap:
+        meta.append(("tp_comm_overlap", True))
+    return tuple(meta)

@@ -27,6 +27,13 @@ element, q = a d, kv = g d for g query groups, f = ffn_hidden_size):
 
 Context parallelism divides the local sequence by cp (keys still span s).
 Llama-style models (swiglu family) have no dropout, so no masks.
+
+FP8 training (Transformer Engine): each linear layer saves its *quantized* input for the
+weight-gradient GEMM (TE ``module/layernorm_linear.py`` and ``module/linear.py`` keep the FP8
+input, 1 byte, plus one scale per 32 elements under MXFP8) instead of the bf16 one. So the
+linear_qkv and linear_fc1 inputs (the norms' outputs) and the linear_fc2 input shrink to
+1 byte, while linear_proj's FP8 input is an extra copy: the attention kernel still keeps its
+bf16 output for its own backward.
 """
 
 from __future__ import annotations
@@ -49,19 +56,28 @@ _LOGITS_BYTES = 4
 """Megatron's vocab-parallel cross-entropy casts logits to fp32 and saves exp(logits)."""
 
 
+def _linear_input_bytes(shapes: Shapes) -> float:
+    """Bytes per element of the input a linear layer saves for its weight gradient."""
+    if shapes.gemm_dtype != "fp8":
+        return shapes.element_bytes
+    return 1.0 + (1.0 / 32 if shapes.fp8_recipe == "mxfp8" else 0.0)
+
+
 def _replicated_bytes(shapes: Shapes) -> float:
-    e = shapes.element_bytes
-    per_token = shapes.hidden_size * (4 * e + (2 if shapes.dropout else 0))
+    e, linear_in = shapes.element_bytes, _linear_input_bytes(shapes)
+    per_token = shapes.hidden_size * (2 * e + 2 * linear_in + (2 if shapes.dropout else 0))
     return shapes.norm_tokens * per_token
 
 
 def _sharded_bytes(shapes: Shapes) -> float:
     e, q, kv, f = shapes.element_bytes, shapes.query_size, shapes.kv_size, shapes.ffn_hidden_size
+    linear_in = _linear_input_bytes(shapes)
     # Unfused attention repeats K and V to every query head before the batched GEMMs (GQA), so
     # what those GEMMs keep is q wide; flash/fused kernels take the grouped K and V as they are.
     kv = q if shapes.unfused_attention else kv
-    attention = e * (q + kv) + e * kv + e * q
-    mlp = (3 if shapes.gated else 2) * e * f
+    proj_input = e * q + (linear_in * q if shapes.gemm_dtype == "fp8" else 0.0)
+    attention = e * (q + kv) + e * kv + proj_input
+    mlp = ((2 if shapes.gated else 1) * e + linear_in) * f
     return shapes.tokens * (attention + mlp) / shapes.tensor_model_parallel_size
 
 

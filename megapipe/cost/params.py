@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megapipe.cost.shapes import Shapes, activation_bytes_per_element, shapes_of
-from megapipe.records import Activation, ModelSpec, ParallelSpec, TrainSpec
+from megapipe.cost.precision import element_bytes, fp8_weight_copy_bytes
+from megapipe.cost.shapes import Shapes, shapes_of
+from megapipe.records import Activation, LayerKind, ModelSpec, ParallelSpec, TrainSpec
 
 __all__ = [
     "decoder_params",
@@ -28,6 +29,7 @@ __all__ = [
     "parameter_count",
     "matmul_parameter_count",
     "bytes_per_parameter",
+    "unit_static_bytes",
 ]
 
 
@@ -36,18 +38,21 @@ def _matrices_per_layer(*, hidden: int, query: int, kv: int, ffn: int, gated: bo
     return hidden * (query + 2 * kv) + query * hidden + hidden * ffn * (2 if gated else 1) + ffn * hidden
 
 
+def _decoder_matrices(shapes: Shapes) -> float:
+    """Weight-matrix elements of one decoder layer on one tensor-parallel rank."""
+    return _matrices_per_layer(hidden=shapes.hidden_size, query=shapes.query_size, kv=shapes.kv_size,
+                               ffn=shapes.ffn_hidden_size, gated=shapes.gated) / shapes.tensor_model_parallel_size
+
+
 def decoder_params(shapes: Shapes) -> float:
     """Parameters of one decoder layer held by one tensor-parallel rank."""
     h, t = shapes.hidden_size, shapes.tensor_model_parallel_size
-    matrices = _matrices_per_layer(
-        hidden=h, query=shapes.query_size, kv=shapes.kv_size, ffn=shapes.ffn_hidden_size, gated=shapes.gated
-    )
     if not shapes.gpt_style:
-        return matrices / t + 2 * h
+        return _decoder_matrices(shapes) + 2 * h
     column_biases = shapes.query_size + 2 * shapes.kv_size + shapes.ffn_hidden_size
     row_biases = 2 * h
     layer_norms = 2 * 2 * h
-    return (matrices + column_biases) / t + row_biases + layer_norms
+    return _decoder_matrices(shapes) + column_biases / t + row_biases + layer_norms
 
 
 def embedding_params(shapes: Shapes, *, max_position_embeddings: int) -> float:
@@ -124,9 +129,27 @@ def bytes_per_parameter(*, precision: str, parallel: ParallelSpec) -> float:
     The distributed optimizer shards over the data-parallel group *with* context
     parallelism (``intra_dp_cp`` in ``megatron/core/distributed``), so d = dp * cp.
     """
-    activation_bytes_per_element(precision)  # validates the name
-    replicated, sharded = {"bf16": (6.0, 12.0), "fp16": (4.0, 16.0), "fp32": (8.0, 8.0)}[precision]
+    element_bytes(precision)  # validates the name
+    # fp8 training keeps bf16 weights and fp32 main grads; its FP8 weight copies are unit_static_bytes'.
+    replicated, sharded = {"bf16": (6.0, 12.0), "fp8": (6.0, 12.0), "fp16": (4.0, 16.0), "fp32": (8.0, 8.0)}[precision]
     if not parallel.use_distributed_optimizer:
         return replicated + sharded
     return replicated + sharded / (parallel.data_parallel_size * parallel.context_parallel_size)
 
+
+
+def _fp8_weights(shapes: Shapes, kind: LayerKind) -> float:
+    """GEMM weights Transformer Engine runs in FP8: the decoder's four linear layers (and an MTP block's,
+    with its eh_proj); the embedding and the output layer stay bf16."""
+    if kind == LayerKind.decoder:
+        return _decoder_matrices(shapes)
+    if kind == LayerKind.mtp:
+        return _decoder_matrices(shapes) + 2 * shapes.hidden_size * shapes.hidden_size / shapes.tensor_model_parallel_size
+    return 0.0
+
+
+def unit_static_bytes(*, kind: LayerKind, params: float, shapes: Shapes, parallel: ParallelSpec,
+                      train: TrainSpec) -> float:
+    """Weights, main grads and optimizer state of one unit on one GPU, plus FP8 training's weight copies."""
+    per_param = bytes_per_parameter(precision=train.precision, parallel=parallel)
+    return params * per_param + _fp8_weights(shapes, kind) * fp8_weight_copy_bytes(train)

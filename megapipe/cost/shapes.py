@@ -17,7 +17,8 @@ megapipe follows the two families Megatron's recipes ship:
   LayerNorm (weight + bias), biases on every linear layer, hidden and attention
   dropout 0.1;
 - ``activation=swiglu`` (Llama style): RMSNorm (weight only), no biases, no
-  dropout (dropout with p=0 keeps no mask).
+  dropout (dropout with p=0 keeps no mask);
+- ``activation=squared_relu`` (Nemotron): as swiglu but one ``f``-wide fc1, like GELU.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megapipe.cost.precision import element_bytes, gemm_dtype
 from megapipe.errors import ConfigError
 from megapipe.records import Activation, AttentionBackend, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
-__all__ = ["Shapes", "shapes_of", "padded_vocab_size", "activation_bytes_per_element", "MAKE_VOCAB_SIZE_DIVISIBLE_BY"]
+__all__ = ["Shapes", "shapes_of", "padded_vocab_size", "MAKE_VOCAB_SIZE_DIVISIBLE_BY"]
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 """Megatron-LM's default ``--make-vocab-size-divisible-by``."""
-
-_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,10 +54,15 @@ class Shapes:
     vocab_size: int
     """Padded as Megatron pads it for this tensor-parallel size."""
     num_attention_heads: int
+    head_dim: int
     tensor_model_parallel_size: int
+    context_parallel_size: int
     sequence_parallel: bool
     element_bytes: int
-    """Bytes of one activation/weight element (2 for bf16/fp16, 4 for fp32)."""
+    """Bytes of one activation/weight element (2 for bf16/fp16/fp8, 4 for fp32)."""
+    gemm_dtype: str
+    """What the decoder's linear layers multiply in: bf16, fp8 or fp32 (:mod:`megapipe.cost.precision`)."""
+    fp8_recipe: str
     gated: bool
     """SwiGLU: linear_fc1 is 2 * ffn_hidden_size wide."""
     gpt_style: bool
@@ -87,13 +92,6 @@ def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def activation_bytes_per_element(precision: str) -> int:
-    try:
-        return _ELEMENT_BYTES[precision]
-    except KeyError:
-        raise ConfigError(f"train.precision={precision!r} is not supported; use bf16, fp16 or fp32") from None
-
-
 def shapes_of(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> Shapes:
     """Validate the sharding against Megatron's divisibility rules and return the per-GPU sizes."""
     _validate(model=model, parallel=parallel, train=train)
@@ -108,9 +106,13 @@ def shapes_of(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> 
         ffn_hidden_size=model.ffn_hidden_size,
         vocab_size=padded_vocab_size(model.vocab_size, tp),
         num_attention_heads=model.num_attention_heads,
+        head_dim=model.head_dim,
         tensor_model_parallel_size=tp,
+        context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel and tp > 1,
-        element_bytes=activation_bytes_per_element(train.precision),
+        element_bytes=element_bytes(train.precision),
+        gemm_dtype=gemm_dtype(train.precision),
+        fp8_recipe=train.fp8_recipe,
         gated=Activation(model.activation) == Activation.swiglu,
         gpt_style=Activation(model.activation) == Activation.gelu,
         learned_positions=model.position_embedding_type == "learned_absolute",

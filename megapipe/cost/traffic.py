@@ -16,6 +16,16 @@ and write a gradient, so backward traffic is taken as twice the forward's:
 - vocab-parallel cross-entropy: read bf16 logits, write fp32, max/exp/sum/normalise
   passes: about ``e + 20`` per logit forward; backward rewrites the fp32 softmax as the
   gradient and casts it back: about ``e + 12``.
+
+FP8 casts (Transformer Engine): the inputs of linear_proj and linear_fc2 are quantized by a
+cast(-transpose) kernel that reads ``e`` and writes the FP8 copy and its transpose (``2`` bytes;
+MXFP8's row- and column-wise copies are the same size plus a scale per 32); the norms before
+linear_qkv and linear_fc1 write FP8 directly, which moves no more bytes than their bf16 output.
+In the backward each linear layer's output gradient is cast the same way. Per-tensor *current*
+scaling (``tensorwise``) first reads each tensor once more for its amax.
+
+Kernel counts (launches per decoder layer, forward / backward, without GEMMs and attention):
+two norms, RoPE, two residual adds (bias-dropout-add), the activation: 6 / 12; FP8 adds its casts.
 """
 
 from __future__ import annotations
@@ -24,6 +34,9 @@ from megapipe.cost.shapes import Shapes
 
 __all__ = [
     "decoder_traffic_bytes",
+    "decoder_kernels",
+    "fp8_cast_traffic_bytes",
+    "fp8_cast_kernels",
     "attention_core_traffic_bytes",
     "embedding_traffic_bytes",
     "output_traffic_bytes",
@@ -41,6 +54,33 @@ def decoder_traffic_bytes(shapes: Shapes) -> float:
     rope = 0.0 if shapes.learned_positions else 2 * e * shapes.tokens * (
         shapes.query_size + shapes.kv_size) / shapes.tensor_model_parallel_size
     return norms + dropout_add + activation + rope
+
+
+def decoder_kernels(shapes: Shapes) -> tuple[int, int]:
+    """Memory-bound kernel launches of a decoder layer, (forward, backward)."""
+    forward = 6 - (1 if shapes.learned_positions else 0)
+    return forward, 2 * forward
+
+
+def fp8_cast_kernels(shapes: Shapes) -> tuple[int, int]:
+    """FP8 cast kernels of a decoder layer, (forward, backward); none outside fp8."""
+    if shapes.gemm_dtype != "fp8":
+        return 0, 0
+    per_cast = 2 if shapes.fp8_recipe == "tensorwise" else 1
+    return 2 * per_cast, 4 * per_cast
+
+
+def fp8_cast_traffic_bytes(shapes: Shapes) -> tuple[float, float]:
+    """(forward, backward) bytes of a decoder layer's FP8 casts; 0 outside fp8."""
+    if shapes.gemm_dtype != "fp8":
+        return 0.0, 0.0
+    e, t = shapes.element_bytes, shapes.tensor_model_parallel_size
+    written = 2.0 * (1 + 1 / 32) if shapes.fp8_recipe == "mxfp8" else 2.0
+    per_element = e + written + (e if shapes.fp8_recipe == "tensorwise" else 0.0)
+    q, kv, f, h = shapes.query_size, shapes.kv_size, shapes.ffn_hidden_size, shapes.hidden_size
+    forward = shapes.tokens * (q + f) / t
+    backward = shapes.tokens * ((q + 2 * kv) / t + h + f * (2 if shapes.gated else 1) / t + h)
+    return per_element * forward, per_element * backward
 
 
 def attention_core_traffic_bytes(shapes: Shapes) -> float:

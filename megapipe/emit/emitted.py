@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 from megapipe.emit.megatron import megatron_args, megatron_env
 from megapipe.emit.overrides import BridgeKeys, bridge_settings, nemo1_settings, nemo2_settings, to_overrides
+from megapipe.emit.precision import bridge_precision, nemo1_precision, tp_overlap_on
 from megapipe.emit.quoting import shell_join, shell_quote
 from megapipe.emit.stages import StageKinds, decoder_counts, equal_stage_kinds, is_equal_split, validate_stages
 from megapipe.errors import ConfigError
 from megapipe.layout import format_layout, parse_layout
-from megapipe.records import GpuSpec, LayerKind, ModelSpec, ParallelSpec, Partition, TrainSpec
+from megapipe.records import Activation, GpuSpec, LayerKind, ModelSpec, ParallelSpec, Partition, TrainSpec
 from megapipe.schedules import Placement, spec
 
 __all__ = ["Emitted", "emit", "megatron_schedule_warnings"]
@@ -173,6 +174,13 @@ def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, mode
     warnings = []
     if parallel.sequence_parallel and parallel.tensor_model_parallel_size == 1:
         warnings.append("sequence_parallel needs tensor_model_parallel_size > 1; it is left off, as Megatron does")
+    warnings += bridge_precision(train, parallel)[1] + nemo1_precision(train, parallel)[1]
+    if tp_overlap_on(parallel):
+        warnings.append("NeMo 2 turns on TP communication overlap with MegatronCommOverlapCallback(tp_comm_overlap=True) "
+                        "in the recipe's callbacks, which no override sets")
+    if Activation(model.activation) == Activation.squared_relu:
+        warnings.append("squared ReLU is a function in Megatron-Bridge and NeMo configs: start from a Nemotron "
+                        "recipe there (Megatron-LM gets --squared-relu)")
     env = megatron_env(parallel=parallel, gpus=gpus)
     return Emitted(
         layout=layout,

@@ -12,7 +12,8 @@ tokenizer and optimizer-schedule flags added:
   normalisation, biases and dropout (:mod:`megapipe.cost.shapes`' convention: the swiglu family is
   Llama's RMSNorm without biases or dropout, the gelu family GPT's LayerNorm with biases and 0.1
   dropout);
-- precision: ``--bf16`` or ``--fp16`` (Megatron's default is fp32).
+- precision: ``--bf16`` or ``--fp16`` (Megatron's default is fp32); FP8 and ``--tp-comm-overlap`` as
+  :mod:`megapipe.emit.precision` spells them.
 
 Flag names were checked against Megatron-LM core_v0.16.1, core_v0.19.0 and main (2026-08) by
 running these arguments through ``parse_args``, ``validate_args`` and ``TransformerConfig``
@@ -28,6 +29,7 @@ capability < 10) unless ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`megatron_env`)
 from __future__ import annotations
 
 from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
+from megapipe.emit.precision import megatron_precision_args
 from megapipe.records import Activation, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
 __all__ = ["megatron_args", "megatron_env", "recompute_settings", "family_settings"]
@@ -49,8 +51,11 @@ def recompute_settings(granularity: Recompute) -> dict[str, object]:
 
 def family_settings(model: ModelSpec) -> dict[str, object]:
     """Normalisation, biases and dropout of the model's family, in TransformerConfig names."""
-    if Activation(model.activation) == Activation.swiglu:
+    activation = Activation(model.activation)
+    if activation == Activation.swiglu:
         return {"normalization": "RMSNorm", "add_bias_linear": False, "attention_dropout": 0.0, "hidden_dropout": 0.0}
+    if activation == Activation.squared_relu:  # Nemotron: LayerNorm, no biases, no dropout
+        return {"normalization": "LayerNorm", "add_bias_linear": False, "attention_dropout": 0.0, "hidden_dropout": 0.0}
     return {"normalization": "LayerNorm", "add_bias_linear": True, "attention_dropout": 0.1, "hidden_dropout": 0.1}
 
 
@@ -70,6 +75,8 @@ def _shape_args(model: ModelSpec, train: TrainSpec) -> list[str]:
         args += ["--rotary-base", str(int(round(model.rotary_base)))]
     if Activation(model.activation) == Activation.swiglu:
         args.append("--swiglu")
+    elif Activation(model.activation) == Activation.squared_relu:
+        args.append("--squared-relu")
     family = family_settings(model)
     args += ["--normalization", str(family["normalization"]), "--norm-epsilon", _number(model.norm_epsilon)]
     if not family["add_bias_linear"]:
@@ -100,13 +107,14 @@ def megatron_args(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mode
         if value is not None:
             args += ["--" + name.replace("_", "-"), str(value)]
     if parallel.use_distributed_optimizer:
-        # The step-time model hides the gradient reduce-scatter and parameter all-gather behind compute.
-        args += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    else:
+        args.append("--use-distributed-optimizer")
+    # What the step-time model assumes about the DP collectives (megapipe.cost.data_parallel).
+    if parallel.overlap_grad_reduce:
         args.append("--overlap-grad-reduce")
+    if parallel.overlap_param_gather and parallel.use_distributed_optimizer:
+        args.append("--overlap-param-gather")
     args += _shape_args(model, train)
-    if train.precision in ("bf16", "fp16"):
-        args.append(f"--{train.precision}")
+    args += megatron_precision_args(train, parallel)
     return tuple(args)
 
 

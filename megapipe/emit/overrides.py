@@ -7,8 +7,8 @@ Key names were checked in the public sources (docs/emit.md has the references):
   under ``model.transformer.*`` and keeps vocabulary, sequence and position fields on ``model.*``);
   ``train.micro_batch_size`` / ``train.global_batch_size``; ``dataset.seq_length``, which the run
   script copies into the model; the distributed optimizer in both ``ddp`` and ``optimizer``;
-  precision as a ``mixed_precision`` recipe name (a bare ``model.bf16`` is undone by it); the
-  environment in ``env_vars``. Bridge applies overrides with Hydra's OverridesParser.
+  precision as a ``mixed_precision`` recipe name (a bare ``model.bf16`` is undone by it;
+  :mod:`megapipe.emit.precision`); the environment in ``env_vars``. Bridge applies overrides with Hydra's OverridesParser.
 - NeMo 2 ``MegatronStrategy`` (2.5-2.7) takes ``pipeline_model_parallel_layout`` and the parallel
   sizes under ``trainer.strategy``; the model's TransformerConfig is ``model.config``; batch and
   sequence are ``data.*`` (and ``model.config.seq_length``); the optimizer ``optim.config``;
@@ -28,6 +28,7 @@ import enum
 
 from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 from megapipe.emit.megatron import family_settings, recompute_settings
+from megapipe.emit.precision import bridge_precision, nemo1_precision, nemo2_precision
 from megapipe.emit.quoting import format_override
 from megapipe.records import Activation, ModelSpec, ParallelSpec, TrainSpec
 
@@ -47,9 +48,6 @@ _LAYOUT_RESETS = {
     "account_for_embedding_in_pipeline_split": False,
     "account_for_loss_in_pipeline_split": False,
 }
-_BRIDGE_PRECISION = {"bf16": "bf16_mixed", "fp16": "fp16_mixed"}
-_NEMO2_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32"}
-_NEMO1_PRECISION = {"bf16": "bf16-mixed", "fp16": 16, "fp32": 32}
 
 
 def _virtual_size(parallel: ParallelSpec) -> int | None:
@@ -121,11 +119,10 @@ def bridge_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mo
         "dataset.seq_length": train.seq_length,
         "ddp.use_distributed_optimizer": parallel.use_distributed_optimizer,
         "optimizer.use_distributed_optimizer": parallel.use_distributed_optimizer,
-        "ddp.overlap_grad_reduce": True,
-        "ddp.overlap_param_gather": parallel.use_distributed_optimizer,
+        "ddp.overlap_grad_reduce": parallel.overlap_grad_reduce,
+        "ddp.overlap_param_gather": parallel.use_distributed_optimizer and parallel.overlap_param_gather,
+        **bridge_precision(train, parallel)[0],
     }
-    if train.precision in _BRIDGE_PRECISION:
-        settings["mixed_precision"] = _BRIDGE_PRECISION[train.precision]
     settings.update({f"++env_vars.{name}": value for name, value in env.items()})
     return settings
 
@@ -134,8 +131,8 @@ def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mod
     """NeMo 2 recipe keys (``nemo llm pretrain`` through NeMo-Run) and values."""
     return {
         **_prefixed("trainer.strategy", _strategy_settings(layout=layout, parallel=parallel)),
-        "trainer.strategy.ddp.overlap_grad_reduce": True,
-        "trainer.strategy.ddp.overlap_param_gather": parallel.use_distributed_optimizer,
+        "trainer.strategy.ddp.overlap_grad_reduce": parallel.overlap_grad_reduce,
+        "trainer.strategy.ddp.overlap_param_gather": parallel.use_distributed_optimizer and parallel.overlap_param_gather,
         **_prefixed("model.config", recompute_settings(train.recompute_granularity)),
         **_prefixed("model.config", _transformer_shape(model)),
         **_prefixed("model.config", _model_shape(model, train)),
@@ -143,7 +140,7 @@ def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mod
         "data.global_batch_size": train.global_batch_size,
         "data.seq_length": train.seq_length,
         "optim.config.use_distributed_optimizer": parallel.use_distributed_optimizer,
-        "trainer.plugins.precision": _NEMO2_PRECISION[train.precision],
+        **nemo2_precision(train),
     }
 
 
@@ -176,7 +173,7 @@ def nemo1_settings(*, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec
         "model.hidden_dropout": family["hidden_dropout"], "model.attention_dropout": family["attention_dropout"],
         "model.share_embeddings_and_output_weights": not model.untie_embeddings_and_output_weights,
         "model.make_vocab_size_divisible_by": MAKE_VOCAB_SIZE_DIVISIBLE_BY,
-        "trainer.precision": _NEMO1_PRECISION[train.precision],
+        **nemo1_precision(train, parallel)[0],
     }
     if model.position_embedding_type == "rope":
         settings["++model.rotary_base"] = int(round(model.rotary_base))

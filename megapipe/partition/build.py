@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from megapipe.errors import InfeasibleError
 from megapipe.layout import format_layout
+from megapipe.partition.coupled import rank_peaks
 from megapipe.records import LayerCost, Partition, StageSpec
 from megapipe.units import GIB
 
@@ -27,8 +28,13 @@ def build_partition(
     num_microbatches: int,
     schedule: str,
     method: str,
+    profiles: Sequence | None = None,
 ) -> Partition:
-    """The record for layout stage c holding entries bounds[c]..bounds[c + 1] on pipeline rank ranks[c]."""
+    """The record for layout stage c holding entries bounds[c]..bounds[c + 1] on pipeline rank ranks[c].
+
+    ``profiles`` (:func:`megapipe.schedules.rank_in_flight_profiles`) gives ranks holding several stages
+    their coupled peak; without it a rank's memory is the sum of its stages' peaks.
+    """
     pp = len(stages)
     num_chunks = len(bounds) - 1
     assert num_chunks == len(in_flight) == len(ranks) and num_chunks % pp == 0
@@ -61,6 +67,7 @@ def build_partition(
         schedule=schedule,
         method=method,
         stage_to_rank=tuple(ranks),
+        rank_peak_bytes=rank_peaks(static=static, act=act, ranks=ranks, profiles=profiles) if profiles else (),
     )
     rank_memory = partition.rank_memory_bytes
     fits = all(used <= stage.memory_bytes for used, stage in zip(rank_memory, stages))

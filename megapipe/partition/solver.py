@@ -6,8 +6,9 @@ for 1F1B and GPipe without virtual stages it then takes, among splits with that
 bottleneck, the one with the least max memory / cap (:mod:`megapipe.partition.headroom`);
 ``equal`` and ``parameters`` are Megatron's and DeepSpeed's splits
 (:mod:`megapipe.partition.baselines`). With virtual stages (v > 1) the solver splits the
-entries into P * v layout stages; layout stage c runs on rank c % P with that rank's
-time_scale and a share of its memory (:func:`~megapipe.partition.memory.chunk_memory_caps`).
+entries into P * v layout stages; layout stage c runs on rank c % P (or on a V) with that rank's
+time_scale, and the rank's chunks must fit its memory together, at the moments their
+activations peak together (:mod:`megapipe.partition.coupled`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import numpy as np
 from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.partition.baselines import equal_bounds, parameters_bounds
 from megapipe.partition.build import build_partition, over_memory_message
+from megapipe.partition.coupled import Unsolved, milp_split, rank_peaks, uniform_shape, uniform_split
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memory_reach, stage_ranks
 from megapipe.partition.headroom import least_utilisation_split
 from megapipe.partition.minmax import SegmentCost, min_max_split, reachable_sets, segment_cost
 from megapipe.records import LayerCost, Partition, StageSpec
-from megapipe.schedules import ScheduleName, spec
+from megapipe.schedules import ScheduleName, rank_in_flight_profiles, spec
 from megapipe.units import GIB
 
 __all__ = ["METHODS", "solve", "given_split"]
@@ -62,26 +64,86 @@ def solve(
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
     )
     ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+    coupled = len(ranks) > pp
+    profiles = rank_in_flight_profiles(
+        schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+        virtual_pipeline_model_parallel_size=vp, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+    ) if coupled else None
     if method == "equal":
         bounds = equal_bounds([layer.kind for layer in layers], num_stages=pp * vp)
     elif method == "parameters":
         bounds = parameters_bounds([layer.param_count for layer in layers], num_stages=pp * vp)
+    elif coupled:
+        bounds = _coupled_bounds(layers, stages, ranks, in_flight, profiles, check_memory=check_memory)
     else:
-        caps = chunk_memory_caps(layers=layers, stages=stages, in_flight=in_flight, ranks=ranks)
-        if not check_memory:
-            caps = (math.inf,) * len(caps)
+        caps = tuple(float(stages[rank].memory_bytes) for rank in ranks) if check_memory else (math.inf,) * len(ranks)
         # Where the bottleneck alone sets the step (the spec's bottleneck_sets_step), every
         # bottleneck-optimal split is equally fast, so keep the one with the most headroom.
-        headroom = vp == 1 and spec(schedule).bottleneck_sets_step
-        bounds = _optimal_bounds(layers, stages, ranks, in_flight, caps, headroom=headroom)
+        bounds = _optimal_bounds(layers, stages, ranks, in_flight, caps, headroom=spec(schedule).bottleneck_sets_step)
     partition = build_partition(
         layers=layers, stages=stages, bounds=bounds, in_flight=in_flight, ranks=ranks,
-        num_microbatches=num_microbatches, schedule=schedule, method=method,
+        num_microbatches=num_microbatches, schedule=schedule, method=method, profiles=profiles,
     )  # fmt: skip
-    # The optimal split already keeps every layout stage within its share of its rank.
+    # The optimal split already keeps every rank within its memory.
     if check_memory and method != "optimal" and not partition.fits_memory:
         _raise_rank_overflow(partition, stages)
     return partition
+
+
+def _coupled_bounds(layers, stages, ranks, in_flight, profiles, *, check_memory: bool) -> tuple[int, ...]:
+    """The min-max split when ranks hold several layout stages, under each rank's coupled memory.
+
+    The split of least bottleneck ignoring memory is optimal when it fits; otherwise the exact
+    coupled solvers of :mod:`megapipe.partition.coupled` decide (identical decoders by counts, any
+    other profile as a MILP); if HiGHS cannot finish, the per-chunk share rule gives a split that
+    fits (:func:`~megapipe.partition.memory.chunk_memory_caps`).
+    """
+    free = _optimal_bounds(layers, stages, ranks, in_flight, (math.inf,) * len(ranks), headroom=False)
+    if not check_memory or _coupled_fit(layers, stages, ranks, profiles, free):
+        return free
+    floor = _bottleneck(layers, stages, ranks, free)
+    caps = chunk_memory_caps(layers=layers, stages=stages, in_flight=in_flight, ranks=ranks)
+    try:  # the per-chunk shares fit the coupled memory too; at the free bottleneck they are optimal
+        shared = _optimal_bounds(layers, stages, ranks, in_flight, caps, headroom=False)
+        if _bottleneck(layers, stages, ranks, shared) <= floor * (1 + 1e-12):
+            return shared
+    except InfeasibleError:
+        pass
+    shape = uniform_shape(layers, times=True)
+    if shape is not None:
+        bounds = uniform_split(shape=shape, stages=stages, ranks=ranks, profiles=profiles, lower_bound=floor)
+    else:
+        try:
+            bounds = milp_split(layers=layers, stages=stages, ranks=ranks, profiles=profiles)
+        except Unsolved:  # HiGHS found nothing in time: fall back on per-chunk shares (sound, not exact)
+            caps = chunk_memory_caps(layers=layers, stages=stages, in_flight=in_flight, ranks=ranks)
+            return _optimal_bounds(layers, stages, ranks, in_flight, caps, headroom=False)
+    if bounds is None:
+        raise _MemoryInfeasible(lambda: _coupled_infeasible_message(layers, stages, ranks, profiles, free))
+    return bounds
+
+
+def _bottleneck(layers, stages, ranks, bounds) -> float:
+    return max(stages[ranks[c]].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in layers[a:b])
+               for c, (a, b) in enumerate(zip(bounds, bounds[1:])))
+
+
+def _coupled_fit(layers, stages, ranks, profiles, bounds) -> bool:
+    static = [math.fsum(layer.static_bytes for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    act = [math.fsum(layer.act_bytes for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    peaks = rank_peaks(static=static, act=act, ranks=ranks, profiles=profiles)
+    return all(peak <= stage.memory_bytes for peak, stage in zip(peaks, stages))
+
+
+def _coupled_infeasible_message(layers, stages, ranks, profiles, bounds) -> str:
+    """Name the rank the split of least bottleneck overfills most: no split fits every rank's chunks."""
+    static = [math.fsum(layer.static_bytes for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    act = [math.fsum(layer.act_bytes for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    peaks = rank_peaks(static=static, act=act, ranks=ranks, profiles=profiles)
+    rank = max(range(len(stages)), key=lambda r: peaks[r] - stages[r].memory_bytes)
+    return over_memory_message(label=f"pipeline rank {rank} (all its chunks, at their peak together)",
+                               need_bytes=peaks[rank], cap_bytes=stages[rank].memory_bytes,
+                               detail="; no split fits every rank")
 
 
 def given_split(
@@ -107,10 +169,13 @@ def given_split(
         virtual_pipeline_model_parallel_size=len(entries_per_stage) // len(stages),
     )
     bounds = (0, *itertools.accumulate(entries_per_stage))
-    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=len(stages), num_stages=len(entries_per_stage))
+    pp, vp = len(stages), len(entries_per_stage) // len(stages)
+    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=len(entries_per_stage))
+    profiles = rank_in_flight_profiles(schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+                                       virtual_pipeline_model_parallel_size=vp) if len(ranks) > pp else None
     return build_partition(
         layers=layers, stages=stages, bounds=bounds, in_flight=in_flight, ranks=ranks,
-        num_microbatches=num_microbatches, schedule=schedule, method=method,
+        num_microbatches=num_microbatches, schedule=schedule, method=method, profiles=profiles,
     )  # fmt: skip
 
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-from megapipe.records import LayerCost, LayerKind
+from megapipe.partition.coupled import UniformShape
 from megapipe.schedules import spec
 
-__all__ = ["LayerShape", "least_in_flight", "water_level", "layer_shape", "split_can_fit", "pipeline_floor_ms"]
+__all__ = ["least_in_flight", "water_level", "split_can_fit", "pipeline_floor_ms"]
 
 _SLACK = 1e-6
 """Decoder-count slack that absorbs the solver's prefix-sum rounding: split_can_fit only says no when sure."""
@@ -54,34 +52,7 @@ def water_level(pinned: Sequence[float], per_layer: Sequence[float], num_layers:
     return max(level, max(pinned))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LayerShape:
-    """A profile of the form [head] + identical decoders + [tail]: what split_can_fit needs."""
-
-    decoder: LayerCost
-    num_decoders: int
-    head: LayerCost | None
-    """A non-decoder first entry (the embedding); it always sits on the first layout stage."""
-    tail: LayerCost | None
-    """A non-decoder last entry (the loss); it always sits on the last layout stage."""
-
-
-def layer_shape(layers: Sequence[LayerCost]) -> LayerShape | None:
-    """The profile's shape, or None when its decoders differ in bytes or other kinds sit between them."""
-    head = layers[0] if layers and layers[0].kind != LayerKind.decoder else None
-    tail = layers[-1] if len(layers) > 1 and layers[-1].kind != LayerKind.decoder else None
-    middle = layers[(head is not None): len(layers) - (tail is not None)]
-    if not middle:
-        return None
-    first = middle[0]
-    for layer in middle:
-        if layer.kind != LayerKind.decoder or (layer.static_bytes, layer.act_bytes) != (first.static_bytes,
-                                                                                        first.act_bytes):
-            return None
-    return LayerShape(decoder=first, num_decoders=len(middle), head=head, tail=tail)
-
-
-def split_can_fit(*, shape: LayerShape, caps: Sequence[float], in_flight: Sequence[int]) -> bool:
+def split_can_fit(*, shape: UniformShape, caps: Sequence[float], in_flight: Sequence[int]) -> bool:
     """False only if no split into len(caps) non-empty layout stages keeps every stage within its cap.
 
     Layout stage c needs pinned_c + d_c (static + k_c act) for d_c decoders; a stage holding

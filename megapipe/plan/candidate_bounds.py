@@ -15,14 +15,15 @@ import dataclasses
 from dataclasses import dataclass
 
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, stage_ranks
-from megapipe.plan.bounds import layer_shape, least_in_flight, split_can_fit, water_level
+from megapipe.partition.coupled import uniform_may_fit, uniform_shape
+from megapipe.plan.bounds import least_in_flight, split_can_fit, water_level
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.per_stage_recompute import RECOMPUTE_OPTIONS, variant
 from megapipe.plan.plans import Candidate, SearchOptions
 from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
 from megapipe.plan.unit_costs import repeated_sum
 from megapipe.records import GpuSpec, LayerKind
-from megapipe.schedules import PathShare, spec
+from megapipe.schedules import PathShare, rank_in_flight_profiles, spec
 
 __all__ = ["Bound", "CandidateBounds"]
 
@@ -129,9 +130,8 @@ class CandidateBounds:
         if found is None:
             pp = par.pipeline_model_parallel_size
             params = totals.param_count / pp
-            optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par,
-                                          precision=cand.train.precision)
-            sync = dp_sync_ms(params_per_gpu=params, precision=cand.train.precision, cluster=self.cluster,
+            optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par)
+            sync = dp_sync_ms(params_per_gpu=params, train=cand.train, cluster=self.cluster,
                               parallel=par, backward_ms=totals.bwd_ms / pp,
                               forward_ms=totals.fwd_ms / pp) if include_sync else 0.0
             found = self._dp_terms[key] = (optimizer, sync)
@@ -200,14 +200,26 @@ class CandidateBounds:
             return self._per_stage_can_fit(cand, gpus)
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
         if key not in self._shapes:
-            self._shapes[key] = layer_shape(self.costs.bound_layers(cand))
+            self._shapes[key] = uniform_shape(self.costs.bound_layers(cand))
         shape = self._shapes[key]
         if shape is None or self.options.ignore_memory_limit:
             return True
         in_flight, ranks = self._layout_counts(cand)
         specs = self.costs.stage_specs(cand, gpus, layers_of=self.costs.bound_layers)
+        pp = cand.parallel.pipeline_model_parallel_size
+        if len(ranks) == pp:
+            return split_can_fit(shape=shape, caps=[specs[rank].memory_bytes for rank in ranks], in_flight=in_flight)
+        # Ranks hold several chunks: the per-chunk shares are a quick sufficient test, the coupled relaxation a
+        # necessary one (the solver settles the rest exactly).
         caps = chunk_memory_caps(layers=self.costs.bound_layers(cand), stages=specs, in_flight=in_flight, ranks=ranks)
-        return split_can_fit(shape=shape, caps=caps, in_flight=in_flight)
+        if split_can_fit(shape=shape, caps=caps, in_flight=in_flight):
+            return True
+        par = cand.parallel
+        profiles = rank_in_flight_profiles(
+            cand.schedule, pipeline_model_parallel_size=pp, num_microbatches=cand.num_microbatches,
+            virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+            microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
+        return uniform_may_fit(shape=shape, stages=specs, ranks=ranks, profiles=profiles)
 
     def _layout_counts(self, cand: Candidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Peak in-flight microbatches and pipeline rank of every layout stage."""

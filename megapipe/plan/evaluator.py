@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 from megapipe import partition, schedules
 from megapipe.plan.bounds import pipeline_floor_ms
+from megapipe.plan.breakdown import step_breakdown
 from megapipe.plan.candidate_bounds import CandidateBounds
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.metrics import plan_record
 from megapipe.plan.per_stage_recompute import per_stage_partition
 from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
-from megapipe.records import ClusterSpec, GpuSpec, ModelSpec, Partition, Profile, StageSpec
+from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec, Partition, Profile, StageSpec
 from megapipe.simulate import StageTimes, p2p_cost, simulate, stage_times
 
 __all__ = ["Evaluator", "Prepared"]
@@ -52,6 +53,8 @@ class Prepared:
     partition: Partition
     specs: tuple[StageSpec, ...]
     times: StageTimes
+    layers: tuple[LayerCost, ...]
+    """The profile entries the partition splits (per-stage recompute picks them per stage)."""
     sums: _RankSums
     floor_ms: float
     """:func:`pipeline_floor_ms` of the partition plus its exact DP sync and optimizer step."""
@@ -63,13 +66,14 @@ class Evaluator:
     """Evaluates candidates of one (model, cluster) scenario; holds its caches, nothing global."""
 
     def __init__(self, *, model: ModelSpec, cluster: ClusterSpec, options: SearchOptions = SearchOptions(),
-                 profile: Profile | None = None):
+                 profile: Profile | None = None, schedules: dict | None = None):
+        """``schedules``: a cache of built schedules to share with other evaluators (they depend on sizes only)."""
         self.model = model
         self.cluster = cluster
         self.options = options
         self.costs = LayerCosts(model=model, cluster=cluster, profile=profile)
         self.bounds = CandidateBounds(costs=self.costs, options=options)
-        self._schedules: dict[tuple, object] = {}
+        self._schedules: dict[tuple, object] = {} if schedules is None else schedules
 
     # -- exact -----------------------------------------------------------------------
     def schedule(self, cand: Candidate):
@@ -114,7 +118,8 @@ class Evaluator:
         sums = self._rank_sums(cand, layers, part, times, gpus)
         floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=part.stage_to_rank, fwd_ms=times.fwd_ms,
                                   bwd_ms=times.bwd_ms, num_microbatches=cand.num_microbatches)
-        return Prepared(cand=cand, gpus=gpus, partition=part, specs=specs, times=times, sums=sums,
+        floor += self.cluster.runtime.step_overhead_ms
+        return Prepared(cand=cand, gpus=gpus, partition=part, specs=specs, times=times, layers=tuple(layers), sums=sums,
                         floor_ms=floor + sums.sync_ms + sums.optimizer_ms, stage_recompute=choices)
 
     def finish(self, prepared: Prepared) -> Plan:
@@ -145,10 +150,9 @@ class Evaluator:
             params[rank] += sum(layer.param_count for layer in chunk)
             fwd[rank] += times.fwd_ms[stage]
             bwd[rank] += times.bwd_ms[stage]
-        sync = max(dp_sync_ms(params_per_gpu=params[r], precision=train.precision, cluster=self.cluster,
+        sync = max(dp_sync_ms(params_per_gpu=params[r], train=train, cluster=self.cluster,
                               parallel=par, backward_ms=bwd[r], forward_ms=fwd[r]) for r in range(pp))
-        optimizer = max(optimizer_step_ms(params_per_gpu=params[r], gpu=gpus[r], parallel=par,
-                                          precision=train.precision) for r in range(pp))
+        optimizer = max(optimizer_step_ms(params_per_gpu=params[r], gpu=gpus[r], parallel=par) for r in range(pp))
         return _RankSums(static_bytes=tuple(static), fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), sync_ms=sync,
                          optimizer_ms=optimizer)
 
@@ -161,8 +165,13 @@ class Evaluator:
                        total_bytes=static[r] + act[r], gpu_name=gpus[r].name if self.cluster.is_heterogeneous else "")
             for r in range(cand.parallel.pipeline_model_parallel_size)
         )
+        step_overhead = self.cluster.runtime.step_overhead_ms
+        breakdown = step_breakdown(layers=prepared.layers, part=part, specs=specs, num_microbatches=cand.num_microbatches,
+                                   pipeline_ms=sim.step_time_ms, sync_ms=sums.sync_ms, optimizer_ms=sums.optimizer_ms,
+                                   step_overhead_ms=step_overhead)
         return plan_record(cand=cand, part=part, sim=sim, usages=usages, specs=specs, sync_ms=sums.sync_ms,
                            optimizer_ms=sums.optimizer_ms, cluster=self.cluster, options=self.options,
                            flops_per_token=self.costs.model_flops_per_token(cand.train.seq_length),
-                           stage_recompute=prepared.stage_recompute)
+                           stage_recompute=prepared.stage_recompute, step_overhead_ms=step_overhead,
+                           breakdown=breakdown)
 

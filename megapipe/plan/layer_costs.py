@@ -84,11 +84,14 @@ class LayerCosts:
         (:func:`megapipe.placement.modelled_stage_specs`); the full profile by default.
         """
         pp = cand.parallel.pipeline_model_parallel_size
+        overhead = self.cluster.runtime.microbatch_overhead_ms
         if gpus is None or all(gpu is self.cluster.gpu for gpu in gpus):  # all on the profiled GPU: scale 1
             found = self._uniform_specs.get(pp)
             if found is None:
-                found = self._uniform_specs[pp] = modelled_stage_specs((self.cluster.gpu,) * pp,
-                                                                       reference=self.cluster.gpu, layers_of=None)
+                found = self._uniform_specs[pp] = modelled_stage_specs(
+                    (self.cluster.gpu,) * pp, reference=self.cluster.gpu, layers_of=None,
+                    microbatch_overhead_ms=overhead)
             return found
         layers_of = layers_of or (lambda c, gpu=None: self.profile(c, gpu).layers)
-        return modelled_stage_specs(gpus, reference=self.cluster.gpu, layers_of=lambda gpu: layers_of(cand, gpu))
+        return modelled_stage_specs(gpus, reference=self.cluster.gpu, layers_of=lambda gpu: layers_of(cand, gpu),
+                                    microbatch_overhead_ms=overhead)

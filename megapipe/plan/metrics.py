@@ -1,6 +1,6 @@
 """From a simulated partition to a :class:`~megapipe.plan.plans.Plan`: the figures the ranking reads.
 
-Step time = pipeline + exposed DP sync + optimizer step. MFU (Chowdhery et al. 2022, PaLM
+Step time = pipeline + exposed DP sync + optimizer step + the runtime's per-step overhead. MFU (Chowdhery et al. 2022, PaLM
 App. B; Narayanan et al. 2021 eq. 3): model FLOPs per token times tokens/s over the sum of the
 GPUs' dense bf16 peaks. Warnings: the hazards of :mod:`megapipe.plan.warnings`, then what the
 emitters warn about the schedule (megatron-core runs only 1F1B and interleaved 1F1B, and its
@@ -30,10 +30,11 @@ _RECOMPUTE_ORDER = ("none", "selective", "full")
 
 def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tuple[StageUsage, ...],
                 specs: tuple[StageSpec, ...], sync_ms: float, optimizer_ms: float, cluster: ClusterSpec,
-                options: SearchOptions, flops_per_token: float, stage_recompute: tuple[str, ...] = ()) -> Plan:
+                options: SearchOptions, flops_per_token: float, stage_recompute: tuple[str, ...] = (),
+                step_overhead_ms: float = 0.0, breakdown: tuple[tuple[str, float], ...] = ()) -> Plan:
     """The Plan of one simulated partition: step time, throughput, MFU, memory spread, money, warnings."""
     par, train = cand.parallel, cand.train
-    step_s = (sim.step_time_ms + sync_ms + optimizer_ms) / 1e3
+    step_s = (sim.step_time_ms + sync_ms + optimizer_ms + step_overhead_ms) / 1e3
     tokens_per_s = train.global_batch_size * train.seq_length / step_s
     num_gpus = cluster.num_gpus
     peak_flops = sum(g.gpu.bf16_tflops * 1e12 * g.num_nodes * cluster.gpus_per_node for g in cluster.node_groups)
@@ -69,5 +70,6 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
         what_if=par.pipeline_model_parallel_size > 1 and not spec(cand.schedule).megatron_runs,
         feasible=over_gib == 0.0, memory_over_gib=over_gib,
         warnings=warnings, stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
-        stage_recompute=stage_recompute, partition=part, simulation=sim,
+        stage_recompute=stage_recompute, step_overhead_ms=step_overhead_ms, breakdown=breakdown,
+        partition=part, simulation=sim,
     )

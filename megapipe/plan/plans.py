@@ -75,6 +75,10 @@ class Candidate:
             train.micro_batch_size,
             train.recompute_granularity,
             train.seq_length,
+            train.precision,
+            train.fp8_recipe,
+            train.fp8_param_gather,
+            par.tp_comm_overlap,
         )
 
 
@@ -121,6 +125,7 @@ class Plan:
     """Exposed (not overlapped) data-parallel gradient/parameter communication."""
     optimizer_ms: float
     step_time_s: float
+    """pipeline_ms + dp_sync_ms + optimizer_ms + step_overhead_ms, in seconds."""
     tokens_per_s: float
     tokens_per_s_per_gpu: float
     mfu: float
@@ -143,6 +148,12 @@ class Plan:
     """GPU type per pipeline rank (mixed clusters)."""
     stage_recompute: tuple[str, ...] = ()
     """Recompute setting per pipeline rank when it was searched per stage; train then holds the strongest one."""
+    step_overhead_ms: float = 0.0
+    """The runtime's fixed time per step (RuntimeSpec.step_overhead_ms)."""
+    breakdown: tuple[tuple[str, float], ...] = ()
+    """Where one step's time goes, ms, summing to step_time_s: the slowest pipeline rank's kernels and exposed
+    communication by part (megapipe.records.TIME_PARTS, times its microbatches), the framework's per-microbatch
+    time, the pipeline bubble (that rank's idle time, p2p waits included), DP sync, optimizer, step overhead."""
     partition: Partition | None = field(default=None, compare=False, repr=False)
     """The solver's record, for the emitters."""
     simulation: object = field(default=None, compare=False, repr=False)
@@ -174,6 +185,7 @@ class Plan:
                 "data_parallel_size": par.data_parallel_size,
                 "sequence_parallel": par.sequence_parallel,
                 "use_distributed_optimizer": par.use_distributed_optimizer,
+                **({"tp_comm_overlap": True} if par.tp_comm_overlap and par.sequence_parallel else {}),
                 **({"microbatch_group_size_per_vp_stage": par.microbatch_group_size_per_vp_stage}
                    if par.microbatch_group_size_per_vp_stage and par.virtual_pipeline_model_parallel_size > 1 else {}),
             },
@@ -184,6 +196,8 @@ class Plan:
                 "recompute_granularity": train.recompute_granularity.value,
                 "num_microbatches": self.num_microbatches,
                 "precision": train.precision,
+                **({"fp8_recipe": train.fp8_recipe, "fp8_param_gather": train.fp8_param_gather}
+                   if train.precision == "fp8" else {}),
             },
             "schedule": str(self.schedule),
             "method": self.method,
@@ -193,6 +207,8 @@ class Plan:
             "pipeline_ms": _round(self.pipeline_ms),
             "dp_sync_ms": _round(self.dp_sync_ms),
             "optimizer_ms": _round(self.optimizer_ms),
+            "step_overhead_ms": _round(self.step_overhead_ms),
+            "breakdown_ms": {name: _round(value) for name, value in self.breakdown},
             "tokens_per_s": _round(self.tokens_per_s),
             "tokens_per_s_per_gpu": _round(self.tokens_per_s_per_gpu),
             "mfu": _round(self.mfu),

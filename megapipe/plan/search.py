@@ -59,15 +59,20 @@ def search(
     profile: Profile | None = None,
     use_distributed_optimizer: bool = True,
     microbatch_group_size_per_vp_stage: int | None = None,
+    template: ParallelSpec = ParallelSpec(),
     progress: Callable[[int, int], None] | None = None,
 ) -> SearchResult:
-    """Best plans first, with the equal-split baseline of the best and the reference configuration."""
+    """Best plans first, with the equal-split baseline of the best and the reference configuration.
+
+    ``template`` gives the parallel settings the search does not vary (tp_comm_overlap, where sequence
+    parallelism allows it, and the DP overlap flags)."""
     started = time.perf_counter()
     _check_cluster(cluster)
     evaluator = Evaluator(model=model, cluster=cluster, options=options, profile=profile)
     space = enumerate_candidates(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
                                  use_distributed_optimizer=use_distributed_optimizer,
-                                 microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+                                 microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+                                 template=template)
     pruned = Counter(space.pruned)
     bounded = _bound_all(evaluator, space, pruned)
     plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, pruned, progress)
@@ -80,7 +85,8 @@ def search(
     if chosen is None and options.what_if_schedules and "schedule" not in (fixed or {}):
         chosen = _best_runnable(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
                                 profile=profile, use_distributed_optimizer=use_distributed_optimizer,
-                                microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+                                microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+                                template=template)
     chosen = chosen or ranked[0]
     baseline = _try(evaluator, _candidate_of(chosen), method="equal", gpus=_gpus_of(evaluator, chosen))
     if baseline is not None and baseline.feasible and score(baseline, options.objective) < score(chosen, options.objective):
@@ -88,7 +94,8 @@ def search(
         ranked = rank_plans([baseline if plan is chosen else plan for plan in ranked], objective=options.objective,
                             top_k=options.top_k)
         chosen = baseline
-    reference = _reference(evaluator, options, train, use_distributed_optimizer)
+    reference = _reference(evaluator, options, train, dataclasses.replace(
+        template, use_distributed_optimizer=use_distributed_optimizer))
     stats = SearchStats(enumerated=space.enumerated, evaluated=len(bounded), partitioned=work["partitioned"],
                         simulated=work["simulated"], pruned=tuple(sorted(pruned.items())),
                         seconds=time.perf_counter() - started)
@@ -277,28 +284,29 @@ def _gpus_of(evaluator: Evaluator, plan: Plan):
 
 
 def reference_candidate(reference: Reference, *, cluster: ClusterSpec, train: TrainSpec,
-                        use_distributed_optimizer: bool = True) -> Candidate | None:
+                        use_distributed_optimizer: bool = True, template: ParallelSpec | None = None) -> Candidate | None:
     """The reference's TP and PP, DP = the rest, 1F1B, micro-batch 1, no recompute, SP; None if it does not fit."""
     tp, pp = reference.tensor_model_parallel_size, reference.pipeline_model_parallel_size
-    if cluster.num_gpus % (tp * pp) or cluster.gpus_per_node % tp:
+    if cluster.num_gpus % (tp * pp) or cluster.domain_gpus % tp:
         return None
     dp = cluster.num_gpus // (tp * pp)
     if train.global_batch_size % dp:
         return None
-    parallel = ParallelSpec(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                            sequence_parallel=tp > 1, use_distributed_optimizer=use_distributed_optimizer)
-    fixed_train = TrainSpec(micro_batch_size=1, global_batch_size=train.global_batch_size, seq_length=train.seq_length,
-                            recompute_granularity=Recompute.none, precision=train.precision)
+    template = template or ParallelSpec(use_distributed_optimizer=use_distributed_optimizer)
+    parallel = dataclasses.replace(
+        template, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+        virtual_pipeline_model_parallel_size=1, context_parallel_size=1, sequence_parallel=tp > 1,
+        tp_comm_overlap=template.tp_comm_overlap and tp > 1, microbatch_group_size_per_vp_stage=None)
+    fixed_train = dataclasses.replace(train, micro_batch_size=1, recompute_granularity=Recompute.none)
     return Candidate(parallel=parallel, train=fixed_train, schedule=ScheduleName.one_f_one_b)
 
 
-def _reference(evaluator: Evaluator, options: SearchOptions, train: TrainSpec,
-               use_distributed_optimizer: bool) -> Plan | None:
+def _reference(evaluator: Evaluator, options: SearchOptions, train: TrainSpec, template: ParallelSpec) -> Plan | None:
     """The reference evaluated as the search evaluates (memory-checked), flagged infeasible only when it cannot fit."""
     if options.reference is None:
         return None
     cand = reference_candidate(options.reference, cluster=evaluator.cluster, train=train,
-                               use_distributed_optimizer=use_distributed_optimizer)
+                               use_distributed_optimizer=template.use_distributed_optimizer, template=template)
     if cand is None or evaluator.model.num_layers < cand.parallel.pipeline_model_parallel_size:
         return None
     choices = placements(evaluator.cluster, cand.parallel)

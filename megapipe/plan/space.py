@@ -74,6 +74,8 @@ class Space:
     use_distributed_optimizer: bool = True
     microbatch_group_size_per_vp_stage: int | None = None
     """Megatron's interleaving group (``parallel.microbatch_group_size_per_vp_stage``); P when None."""
+    template: ParallelSpec = ParallelSpec()
+    """Where the settings the search does not vary come from: tp_comm_overlap and the DP overlap flags."""
     _records: dict = field(default_factory=dict, compare=False, repr=False)
     """ParallelSpec and TrainSpec records already built, by their fields: points share them."""
 
@@ -90,6 +92,9 @@ class Space:
                 sequence_parallel=point.sequence_parallel, use_distributed_optimizer=self.use_distributed_optimizer,
                 microbatch_group_size_per_vp_stage=(self.microbatch_group_size_per_vp_stage
                                                     if point.virtual_pipeline_model_parallel_size > 1 else None),
+                tp_comm_overlap=self.template.tp_comm_overlap and point.sequence_parallel,
+                overlap_grad_reduce=self.template.overlap_grad_reduce,
+                overlap_param_gather=self.template.overlap_param_gather,
             )
         spec = self._records.get(train_key)
         if spec is None:
@@ -97,7 +102,7 @@ class Space:
             spec = self._records[train_key] = TrainSpec(
                 micro_batch_size=point.micro_batch_size, global_batch_size=train.global_batch_size,
                 seq_length=train.seq_length, recompute_granularity=point.recompute_granularity,
-                precision=train.precision)
+                precision=train.precision, fp8_recipe=train.fp8_recipe, fp8_param_gather=train.fp8_param_gather)
         return Candidate(parallel=parallel, train=spec, schedule=point.schedule,
                          per_stage_recompute=point.per_stage_recompute)
 
@@ -123,14 +128,14 @@ def _check_fixed(fixed: Mapping[str, object], options: SearchOptions) -> None:
 def _tp_values(model: ModelSpec, cluster: ClusterSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
     if "tensor_model_parallel_size" in fixed:
         return (int(fixed["tensor_model_parallel_size"]),)
-    limit = cluster.num_gpus if options.allow_cross_node_tp else cluster.gpus_per_node
+    limit = cluster.num_gpus if options.allow_cross_node_tp else cluster.domain_gpus
     return tuple(d for d in divisors(limit) if d <= model.num_attention_heads)
 
 
 def _tp_ok(tp: int, model: ModelSpec, cluster: ClusterSpec, options: SearchOptions) -> bool:
     if model.num_attention_heads % tp or model.num_query_groups % tp:
         return False
-    return options.allow_cross_node_tp or cluster.gpus_per_node % tp == 0
+    return options.allow_cross_node_tp or cluster.domain_gpus % tp == 0
 
 
 def _cp_values(train_seq: int, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
@@ -150,6 +155,7 @@ def enumerate_candidates(
     options: SearchOptions = SearchOptions(),
     use_distributed_optimizer: bool = True,
     microbatch_group_size_per_vp_stage: int | None = None,
+    template: ParallelSpec = ParallelSpec(),
 ) -> Space:
     """All points that pass the closed-form rules; ``fixed`` pins dimensions by name.
 
@@ -179,7 +185,7 @@ def enumerate_candidates(
         raise ConfigError(_no_fit_message(world, fixed))
     return Space(points=tuple(out), pruned=pruned, enumerated=enumerated, train=train,
                  use_distributed_optimizer=use_distributed_optimizer,
-                 microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+                 microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, template=template)
 
 
 def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:

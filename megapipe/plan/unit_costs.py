@@ -4,8 +4,8 @@
 bounds only need the units of a one-layer model, each with its repeat count. A unit's times
 and activation bytes depend on (TP, SP, CP, micro-batch, recompute, sequence), and whether
 the last stage holds the output weight on PP > 1; the data-parallel size enters only
-``static_bytes = param_count x bytes_per_parameter`` (the distributed optimizer's shards),
-which is recomputed here with the same product, so every number equals the full profile's
+``static_bytes`` (:func:`megapipe.cost.params.unit_static_bytes`: the distributed optimizer's
+shards), which is recomputed here the same way, so every number equals the full profile's
 (tests/test_plan_bounds.py). Sums over the expanded profile are taken in its order with the
 built-in ``sum``, so they are the very sums of the full profile.
 """
@@ -16,7 +16,7 @@ import dataclasses
 from itertools import chain, repeat
 
 from megapipe import cost
-from megapipe.cost.params import bytes_per_parameter
+from megapipe.cost.params import unit_static_bytes
 from megapipe.plan.plans import Candidate
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec
 
@@ -46,10 +46,15 @@ class UnitCosts:
         found = self._priced.get(key)
         if found is None:
             units = self._timed_units(cand, gpu)
-            per_param = bytes_per_parameter(precision=cand.train.precision, parallel=par)
+            shapes = cost.shapes_of(model=self._unit_model, parallel=par, train=cand.train)
+
+            def static(unit: LayerCost) -> float:
+                return unit_static_bytes(kind=unit.kind, params=unit.param_count, shapes=shapes, parallel=par,
+                                         train=cand.train)
+
             units = tuple(LayerCost(name=unit.name, kind=unit.kind, fwd_ms=unit.fwd_ms, bwd_ms=unit.bwd_ms,
-                                    wgrad_ms=unit.wgrad_ms, static_bytes=unit.param_count * per_param,
-                                    act_bytes=unit.act_bytes, param_count=unit.param_count) for unit in units)
+                                    wgrad_ms=unit.wgrad_ms, static_bytes=static(unit), act_bytes=unit.act_bytes,
+                                    param_count=unit.param_count, parts=unit.parts) for unit in units)
             counts = {LayerKind.decoder: self.model.num_layers, LayerKind.mtp: self.model.mtp_num_layers}
             found = (units, tuple(counts.get(unit.kind, 1) for unit in units))
             self._priced[key] = found

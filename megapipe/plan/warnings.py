@@ -43,8 +43,8 @@ def plan_warnings(
         low, high = bubble_warning_range
         if not low <= bubble_fraction <= high:
             out.append(f"bubble {bubble_fraction:.1%} outside search.bubble_warning_range [{low:.0%}, {high:.0%}]")
-    if tp > cluster.gpus_per_node:
-        out.append(f"tensor_model_parallel_size={tp} spans nodes ({cluster.gpus_per_node} GPUs per node)")
+    if tp > cluster.domain_gpus:
+        out.append(f"tensor_model_parallel_size={tp} spans NVLink domains ({cluster.domain_gpus} GPUs each)")
     if train.seq_length >= LONG_CONTEXT and pp > _DEEP_FOR_LONG_CONTEXT:
         out.append(
             f"seq_length={train.seq_length} with pipeline_model_parallel_size={pp}: "

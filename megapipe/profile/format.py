@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from megapipe.errors import ProfileError
-from megapipe.records import LayerCost, LayerKind, Profile
+from megapipe.records import TIME_PARTS, LayerCost, LayerKind, Profile
 
 __all__ = ["FORMAT", "profile_to_dict", "profile_from_dict"]
 
@@ -52,6 +52,8 @@ def _layer_to_dict(layer: LayerCost) -> dict:
     out.update({key: float(getattr(layer, key)) for key in _NUMBERS})
     if layer.param_count:
         out["param_count"] = float(layer.param_count)
+    if layer.parts:
+        out["parts"] = {name: float(value) for name, value in zip(TIME_PARTS, layer.parts)}
     return out
 
 
@@ -71,4 +73,17 @@ def _layer_from_dict(entry: object, source: str, index: int) -> LayerCost:
             values[key] = float(raw)
         except (TypeError, ValueError):
             raise ProfileError(f"{source}: layers[{index}].{key}={raw!r} is not a number") from None
-    return LayerCost(name=str(entry.get("name", f"{kind.value}.{index}")), kind=kind, **values)
+    return LayerCost(name=str(entry.get("name", f"{kind.value}.{index}")), kind=kind,
+                     parts=_parts(entry.get("parts"), source, index), **values)
+
+
+def _parts(raw: object, source: str, index: int) -> tuple[float, ...]:
+    """The optional time breakdown (the cost model writes it; measured profiles have none)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping) or set(raw) - set(TIME_PARTS):
+        raise ProfileError(f"{source}: layers[{index}].parts must map some of {list(TIME_PARTS)} to ms")
+    try:
+        return tuple(float(raw.get(name, 0.0)) for name in TIME_PARTS)
+    except (TypeError, ValueError):
+        raise ProfileError(f"{source}: layers[{index}].parts holds a value that is not a number") from None

@@ -16,6 +16,7 @@ from megapipe.schedules.registry import (
     chunks_per_rank,
     megatron_schedule,
     peak_in_flight,
+    rank_in_flight_profiles,
     spec,
 )
 from megapipe.schedules.spec import InFlightFloor, PathShare, Placement, ScheduleName, ScheduleSpec
@@ -36,5 +37,6 @@ __all__ = [
     "chunks_per_rank",
     "megatron_schedule",
     "peak_in_flight",
+    "rank_in_flight_profiles",
     "spec",
 ]

@@ -17,12 +17,15 @@ m % P == 0).
 
 from __future__ import annotations
 
+import numpy as np
+
 from megapipe.errors import ScheduleError
 from megapipe.schedules.base import Action, Kind, loop_stage
 from megapipe.schedules.in_flight import interleaved_in_flight
 from megapipe.schedules.spec import ScheduleName, ScheduleSpec
 
-__all__ = ["SPEC", "interleaved_orders", "schedule_table", "check_interleaved", "interleaved_sizes_ok"]
+__all__ = ["SPEC", "interleaved_orders", "schedule_table", "check_interleaved", "interleaved_sizes_ok",
+           "interleaved_rank_counts"]
 
 
 def schedule_table(
@@ -111,6 +114,24 @@ def interleaved_orders(
     )
 
 
+def interleaved_rank_counts(pp: int, m: int, v: int, group: int) -> tuple[np.ndarray, ...]:
+    """Per rank, the in-flight microbatches of each of its chunks right after each of its forwards (rows), from
+    the same warm-up / steady / cool-down order as :func:`_rank_order`, without building the actions."""
+    chunks = np.array([chunk for _, chunk in schedule_table(num_microbatches=m, num_model_chunks=v,
+                                                             microbatch_group_size_per_vp_stage=group)])
+    total = m * v
+    forwards = np.zeros((total + 1, v), dtype=np.int64)  # forwards[x, c]: chunk-c entries among the first x
+    forwards[1:] = np.cumsum(np.eye(v, dtype=np.int64)[chunks], axis=0)
+    backwards = forwards[:, ::-1]  # the k-th backward runs table entry k on chunk v - 1 - its chunk
+    out = []
+    for rank in range(pp):
+        warmup = min(total, 2 * (pp - rank - 1) + (v - 1) * group)
+        steady = np.arange(total - warmup)
+        rows = np.concatenate([forwards[1:warmup + 1], forwards[warmup + 1 + steady] - backwards[steady]])
+        out.append(rows)
+    return tuple(out)
+
+
 def interleaved_sizes_ok(pp: int, m: int, v: int, group: int) -> bool:
     """The sizes :func:`check_interleaved` accepts, without raising."""
     return v >= 2 and pp >= 2 and pp <= group <= m and not 0 < m % group < pp
@@ -129,4 +150,5 @@ SPEC = ScheduleSpec(
     flushed_bubble=lambda pp, m, v: (pp - 1) / (v * m + pp - 1),
     in_flight=interleaved_in_flight,
     sizes_ok=interleaved_sizes_ok,
+    rank_counts=interleaved_rank_counts,
 )

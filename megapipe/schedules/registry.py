@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
+
 from megapipe.errors import ScheduleError
 from megapipe.schedules.base import Kind, Schedule, check_sizes
 from megapipe.schedules.dualpipe_v import SPEC as DUALPIPE_V
@@ -26,6 +28,7 @@ __all__ = [
     "spec",
     "build",
     "peak_in_flight",
+    "rank_in_flight_profiles",
     "chunks_per_rank",
     "megatron_schedule",
 ]
@@ -74,7 +77,7 @@ def _check_virtual(item: ScheduleSpec, virtual: int) -> None:
     )
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=128)
 def build(
     name: str, *, pipeline_model_parallel_size: int, num_microbatches: int,
     virtual_pipeline_model_parallel_size: int = 1, microbatch_group_size_per_vp_stage: int | None = None,
@@ -120,6 +123,58 @@ def _peak_from_orders(schedule: Schedule) -> tuple[int, ...]:
             elif action.kind is Kind.W or (action.kind is Kind.B and (stage, action.microbatch) not in split):
                 now[stage] -= 1
     return tuple(peak)
+
+
+def _pareto(rows: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """The rows no other row dominates (>= everywhere, > somewhere), each once, largest first."""
+    rows = np.unique(rows, axis=0)[::-1]
+    covers = (rows[None, :, :] >= rows[:, None, :]).all(axis=2)  # covers[i, j]: row j >= row i everywhere
+    np.fill_diagonal(covers, False)
+    return tuple(tuple(int(x) for x in row) for row in rows[~covers.any(axis=1)])
+
+
+def _rank_counts_from_orders(schedule: Schedule) -> tuple[np.ndarray, ...]:
+    """Per rank, its stages' in-flight counts (stage order) after each of its forwards, from the built orders."""
+    split = {(a.stage, a.microbatch) for order in schedule.orders for a in order if a.kind is Kind.I}
+    out = []
+    for order in schedule.orders:
+        own = sorted({action.stage for action in order})
+        index = {stage: position for position, stage in enumerate(own)}
+        now, rows = [0] * len(own), []
+        for action in order:
+            if action.kind is Kind.F:
+                now[index[action.stage]] += 1
+                rows.append(tuple(now))
+            elif action.kind is Kind.W or (action.kind is Kind.B and (action.stage, action.microbatch) not in split):
+                now[index[action.stage]] -= 1
+        out.append(np.array(rows, dtype=np.int64).reshape(len(rows), len(own)))
+    return tuple(out)
+
+
+@lru_cache(maxsize=512)
+def rank_in_flight_profiles(
+    name: str, *, pipeline_model_parallel_size: int, num_microbatches: int,
+    virtual_pipeline_model_parallel_size: int = 1, microbatch_group_size_per_vp_stage: int | None = None,
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """When a rank's activation memory can peak: for each pipeline rank, the in-flight counts of its layout
+    stages (in stage order) at every moment that no other moment dominates.
+
+    A rank's activation bytes at any moment are ``sum_c n_c * act_c`` over its stages c, so its peak over the
+    step is the largest of these sums over the returned vectors: the coupled memory of a rank's chunks, which
+    the per-stage peaks (:func:`peak_in_flight`, reached at different moments) overstate for interleaved and
+    V-shaped schedules. Activations count from F until B, or until W for split backwards. A spec's closed form
+    (``rank_counts``) answers without building the schedule.
+    """
+    item = spec(name)
+    pp, m, v = pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size
+    group = microbatch_group_size_per_vp_stage
+    if item.rank_counts is not None and _closed_form_applies(item, pp, m, v, group):
+        counts = item.rank_counts(pp, m, v, pp if group is None else group)
+    else:
+        counts = _rank_counts_from_orders(build(name, pipeline_model_parallel_size=pp, num_microbatches=m,
+                                                virtual_pipeline_model_parallel_size=v,
+                                                microbatch_group_size_per_vp_stage=group))
+    return tuple(_pareto(rows) for rows in counts)
 
 
 def peak_in_flight(

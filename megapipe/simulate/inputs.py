@@ -22,17 +22,21 @@ def stage_times(*, layers: Sequence[LayerCost], entries_per_stage: Sequence[int]
                 specs: Sequence[StageSpec]) -> StageTimes:
     """Per layout stage: F, B, W of its layers times its rank's ``time_scale``, and its activation bytes.
 
+    Each stage's F and B also carry half of its rank's ``microbatch_overhead_ms`` (the framework's time
+    per model chunk and microbatch).
+
     ``entries_per_stage`` counts consecutive entries of ``layers`` (a ``Partition``'s split);
     ``stage_to_rank`` maps each layout stage to the pipeline rank whose ``specs`` entry applies.
     """
     fwd, bwd, wgrad, act = [], [], [], []
     start = 0
     for stage, count in enumerate(entries_per_stage):
-        scale = specs[stage_to_rank[stage]].time_scale
+        spec = specs[stage_to_rank[stage]]
+        scale, overhead = spec.time_scale, spec.microbatch_overhead_ms / 2
         chunk = layers[start:start + count]
         start += count
-        fwd.append(scale * sum(layer.fwd_ms for layer in chunk))
-        bwd.append(scale * sum(layer.bwd_ms for layer in chunk))
+        fwd.append(scale * sum(layer.fwd_ms for layer in chunk) + overhead)
+        bwd.append(scale * sum(layer.bwd_ms for layer in chunk) + overhead)
         wgrad.append(scale * sum(layer.wgrad_ms for layer in chunk))
         act.append(sum(layer.act_bytes for layer in chunk))
     return StageTimes(fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), wgrad_ms=tuple(wgrad), act_bytes=tuple(act))
@@ -43,7 +47,7 @@ def pipeline_link(*, cluster: ClusterSpec, stride: int, pipeline_model_parallel_
 
     If any neighbouring pair sits on different nodes, the pipeline runs at the inter-node link.
     """
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus
     crosses = any((r * stride) // gpn != ((r + 1) * stride) // gpn for r in range(pipeline_model_parallel_size - 1))
     return cluster.inter_node if crosses else cluster.intra_node
 
@@ -53,4 +57,5 @@ def p2p_cost(*, model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, 
     stride = parallel.tensor_model_parallel_size * parallel.context_parallel_size * parallel.data_parallel_size
     link = pipeline_link(cluster=cluster, stride=stride,
                          pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
-    return P2PCost.from_link(link, p2p_bytes=cost.p2p_bytes(model=model, parallel=parallel, train=train))
+    return P2PCost.from_link(link, p2p_bytes=cost.p2p_bytes(model=model, parallel=parallel, train=train),
+                             efficiency_scale=cluster.runtime.comm_efficiency_scale)

@@ -98,10 +98,11 @@ class P2PCost:
         return self.latency_ms + self.bytes_per_microbatch / (self.bandwidth_gbytes_per_s * 1e9) * 1e3
 
     @classmethod
-    def from_link(cls, link: LinkSpec, *, p2p_bytes: float) -> P2PCost:
+    def from_link(cls, link: LinkSpec, *, p2p_bytes: float, efficiency_scale: float = 1.0) -> P2PCost:
+        """A message over ``link`` at the bandwidth NCCL achieves on it (``LinkSpec.bandwidth_efficiency``)."""
         return cls(
             latency_ms=link.latency_us / 1e3, bytes_per_microbatch=p2p_bytes,
-            bandwidth_gbytes_per_s=link.bandwidth_gbytes_per_s,
+            bandwidth_gbytes_per_s=link.bandwidth_gbytes_per_s * link.bandwidth_efficiency * efficiency_scale,
         )
 
     def between(self, rank_a: int, rank_b: int) -> float:

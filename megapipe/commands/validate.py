@@ -1,0 +1,192 @@
+"""``megapipe validate [RUNS.yaml]``: predicted against measured step time for published runs.
+
+For every run of the data set (megapipe's public runs, or a ``megapipe-runs/1`` file of your own):
+the prediction with the runtime in use (``runtime=``, fitted on these runs), the leave-one-out
+prediction (the runtime refitted without that run), the uncalibrated one (microbenchmarks alone),
+and where the predicted step goes. Settings a source does not state are chosen by the planner on
+the uncalibrated model. Writes ``validation.md`` (the table), ``validation.json`` and
+``runtime.yaml`` (the fit on every run, a ``hydra_conf/runtime`` file) into the run directory, and
+with ``validate.docs=docs/validation.md`` rewrites that file's table. ``validate.ids=[a,b]`` takes
+a subset, ``validate.leave_one_out=false`` skips the refits (about a minute for 60 runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from megapipe.commands.common import console, print_json
+from megapipe.config import Setup, compose, to_setup
+from megapipe.errors import ConfigError
+from megapipe.io import PUBLIC_RUNS, atomic_write_text, read_runs, replace_marked_section
+from megapipe.records import ClusterSpec, RuntimeSpec
+from megapipe.validation.fit import DEFAULT_FIT, FIT_FIELDS, RunSet, fit_runtime, leave_one_out
+from megapipe.validation.predict import resolve
+from megapipe.validation.report import Row, markdown_table, row_dict, runtime_summary, runtime_yaml, summarise
+from megapipe.validation.runs import PublishedRun
+
+__all__ = ["prepare", "run", "DOCS_BEGIN", "DOCS_END"]
+
+DOCS_BEGIN = "<!-- megapipe validate: begin -->"
+DOCS_END = "<!-- megapipe validate: end -->"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidateJob:
+    setup: Setup
+    runs: tuple[PublishedRun, ...]
+    clusters: tuple[ClusterSpec, ...]
+    """Each run's cluster option as composed (its size is set per run)."""
+    fields: tuple[str, ...]
+    leave_one_out: bool
+    docs: str | None
+    source: str
+
+
+def _base_clusters(runs: tuple[PublishedRun, ...], cfg: DictConfig) -> tuple[ClusterSpec, ...]:
+    searchpath = list(cfg.hydra.searchpath) if "hydra" in cfg and cfg.hydra.get("searchpath") else []
+    extra = [f"hydra.searchpath=[{','.join(searchpath)}]"] if searchpath else []
+    found: dict[str, ClusterSpec] = {}
+    for run in runs:
+        if run.cluster in found:
+            continue
+        try:
+            setup = to_setup(compose([f"cluster={run.cluster}", "parallel.tensor_model_parallel_size=1",
+                                      "parallel.pipeline_model_parallel_size=1", *extra]))
+        except ConfigError:
+            raise
+        except Exception:
+            raise ConfigError(f"run {run.id} names cluster={run.cluster!r}, which is not a cluster option; "
+                              "add hydra_conf/cluster/<name>.yaml (or hydra.searchpath) or fix the run") from None
+        found[run.cluster] = setup.cluster
+    return tuple(found[run.cluster] for run in runs)
+
+
+def prepare(cfg: DictConfig) -> ValidateJob:
+    setup = to_setup(cfg)
+    source = str(setup.input or PUBLIC_RUNS)
+    runs = read_runs(source)
+    options = cfg.get("validate") or {}
+    ids = list(options.get("ids") or [])
+    if ids:
+        known = {run.id for run in runs}
+        missing = [run_id for run_id in ids if run_id not in known]
+        if missing:
+            raise ConfigError(f"validate.ids names {missing}, which {source} lacks; use ids from that file")
+        runs = tuple(run for run in runs if run.id in set(ids))
+    fields = tuple(options.get("fit") or DEFAULT_FIT)
+    unknown = [name for name in fields if name not in FIT_FIELDS]
+    if unknown:
+        raise ConfigError(f"validate.fit names {unknown}; fit a subset of {list(FIT_FIELDS)}")
+    if len(runs) < len(fields) + (1 if options.get("leave_one_out", True) else 0):
+        raise ConfigError(f"{len(runs)} runs cannot fit {len(fields)} runtime fields (and leave one out); "
+                          "give more runs or fewer validate.fit fields")
+    docs = options.get("docs")
+    return ValidateJob(setup=setup, runs=runs, clusters=_base_clusters(runs, cfg), fields=fields,
+                       leave_one_out=bool(options.get("leave_one_out", True)), docs=str(docs) if docs else None,
+                       source=source)
+
+
+def _workers(count: int) -> int:
+    return max(1, min(os.cpu_count() or 1, count))
+
+
+def _pool(count: int):
+    """A fork process pool over the machine's cores for ``count`` tasks (None when one worker is all)."""
+    if _workers(count) == 1:
+        return None
+    import multiprocessing
+
+    return multiprocessing.get_context("fork").Pool(_workers(count))
+
+
+def _mapper(pool, count: int):
+    if pool is None:
+        return map
+    return lambda function, items: pool.map(function, items, chunksize=-(-count // _workers(count)))
+
+
+def _rows(job: ValidateJob) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
+    pool = _pool(len(job.runs))
+    try:
+        mapper = _mapper(pool, len(job.runs))
+        resolved = list(mapper(_resolve, list(zip(job.runs, job.clusters))))
+        runs = RunSet(resolved, job.clusters)
+        in_use = job.setup.cluster.runtime
+        fitted = fit_runtime(runs, start=in_use, fields=job.fields).runtime
+        loo = leave_one_out(runs, start=fitted, fields=job.fields, mapper=mapper) \
+            if job.leave_one_out else (None,) * len(runs)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    rows = []
+    for index, item in enumerate(resolved):
+        plan = runs.plan(index, in_use)
+        rows.append(Row(resolved=item, predicted_s=plan.step_time_s, loo_s=loo[index], breakdown=plan.breakdown,
+                        uncalibrated_s=runs.plan(index, RuntimeSpec(name=in_use.name)).step_time_s))
+    return rows, in_use, fitted
+
+
+def _resolve(item):
+    run, base = item
+    return resolve(run, base)
+
+
+def run(job: ValidateJob, *, directory: str) -> None:
+    rows, in_use, fitted = _rows(job)
+    summaries = summarise(rows)
+    command = "megapipe validate" + ("" if job.source == PUBLIC_RUNS else f" {os.path.basename(job.source)}")
+    table = markdown_table(rows, summaries, runtime=in_use, command=command)
+    runtime_text = runtime_yaml(fitted, comment=(
+        f"{fitted.name}: fitted by `{command}` on {len(rows)} runs ({', '.join(job.fields)}).\n"
+        "Copy to hydra_conf/runtime/ to plan with it."))
+    atomic_write_text(os.path.join(directory, "validation.md"), table)
+    atomic_write_text(os.path.join(directory, "runtime.yaml"), runtime_text)
+    result = {
+        "runs": [row_dict(row) for row in rows],
+        "summary": [dataclasses.asdict(summary) for summary in summaries],
+        "runtime_in_use": runtime_summary(in_use),
+        "runtime_fitted": runtime_summary(fitted),
+        "fitted_fields": list(job.fields),
+        "files": [os.path.join(directory, name) for name in ("validation.md", "validation.json", "runtime.yaml")],
+    }
+    atomic_write_text(os.path.join(directory, "validation.json"), json.dumps(result, indent=2) + "\n")
+    if job.docs:
+        replace_marked_section(job.docs, begin=DOCS_BEGIN, end=DOCS_END, body=table)
+    if job.setup.output.json:
+        print_json(result)
+        return
+    _print(rows, summaries, in_use=in_use, fitted=fitted, directory=directory, docs=job.docs)
+
+
+def _print(rows, summaries, *, in_use: RuntimeSpec, fitted: RuntimeSpec, directory: str, docs: str | None) -> None:
+    from rich.table import Table
+
+    out = console(soft_wrap=True)
+    table = Table(title="predicted against measured step time")
+    for column in ("run", "GPUs", "prec", "measured s", "predicted s", "error", "LOO", "uncalibrated", "largest parts"):
+        table.add_column(column, justify="left" if column in ("run", "largest parts") else "right")
+    for row in rows:
+        run = row.resolved.run
+        parts = sorted(row.breakdown, key=lambda item: -item[1])[:3]
+        total = sum(ms for _, ms in row.breakdown) or 1.0
+        table.add_row(run.id, f"{run.num_gpus:,} {run.cluster}", run.precision, f"{row.measured_s:.3g}",
+                      f"{row.predicted_s:.3g}", f"{row.error:+.1%}",
+                      "" if row.loo_error is None else f"{row.loo_error:+.1%}", f"{row.uncalibrated_error:+.1%}",
+                      ", ".join(f"{name} {ms / total:.0%}" for name, ms in parts))
+    out.print(table)
+    for item in summaries:
+        loo = "" if item.mean_abs_loo_error is None else (f", leave-one-out mean {item.mean_abs_loo_error:.1%} "
+                                                          f"max {item.max_abs_loo_error:.1%}")
+        out.print(f"{item.group:>12}: {item.runs:3d} runs, |error| mean {item.mean_abs_error:.1%} max "
+                  f"{item.max_abs_error:.1%}{loo} (uncalibrated mean {item.mean_abs_uncalibrated_error:.1%})",
+                  markup=False)
+    out.print(f"runtime in use: {runtime_summary(in_use)}", markup=False)
+    out.print(f"fitted on these runs: {runtime_summary(fitted)}", markup=False)
+    out.print(f"files: {directory}/validation.md, validation.json, runtime.yaml" +
+              (f"; table written into {docs}" if docs else ""), markup=False)

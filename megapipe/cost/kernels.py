@@ -1,0 +1,114 @@
+"""Kernel times on one GPU: GEMMs by shape, flash attention, memory-bound kernels.
+
+**GEMM** (``m x k`` by ``k x n``, ``2 m n k`` FLOPs) -- the roofline (Williams et al. 2009) with the
+quantization effects of a tiled GPU GEMM (NVIDIA, "Matrix Multiplication Background User's
+Guide", Deep Learning Performance docs: tile and wave quantization):
+
+    time = max(2 m n k / (eta * peak * u),  bytes / (eta_hbm * hbm)) + kernel overhead
+    u    = m n / (waves * SMs * tile_m * tile_n),  waves = ceil(tiles / SMs)
+
+``u`` is the share of issued tile work that is useful: the output is padded to whole tiles, and
+the tiles run in waves of one tile per SM. cuBLAS picks the tile shape per problem; the best of
+128x256, 256x128 and 128x128 is taken. ``eta`` is the GPU's sustained large-GEMM efficiency
+(maximum achievable matmul FLOPS, measured per GPU and cited in its cluster file) times the
+runtime's in-training scale. The bytes are both inputs and the output, once each. This is how
+tensor parallelism changes a GEMM's efficiency: splitting ``n`` or ``k`` by t shrinks the tile
+count and the work per byte.
+
+**Attention** (flash/fused kernels; Dao 2023, "FlashAttention-2"; Shah et al. 2024,
+"FlashAttention-3"): ``4 b a s_q s_k d`` FLOPs for the full square, of which a causal kernel
+computes the lower triangle plus the diagonal blocks it cannot skip; the backward runs five
+``s x s`` matmuls against the forward's two (2.5x the FLOPs). Query blocks of 128 rows per head
+are the kernel's thread blocks, quantized in waves over the SMs like GEMM tiles.
+
+**Memory-bound kernels** move ``bytes`` at ``bandwidth_efficiency * hbm`` plus a fixed overhead
+per kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megapipe.errors import ConfigError
+from megapipe.records import GpuSpec, RuntimeSpec
+
+__all__ = ["peak_flops", "gemm_ms", "attention_ms", "memory_ms", "kernel_overhead_ms", "FLASH_BACKWARD_FLOPS"]
+
+_TF32_FRACTION = 0.5
+"""TF32 tensor-core peak / bf16 peak on A100, H100, H200 and B200 datasheets."""
+_TILES = ((128, 256), (256, 128), (128, 128))
+_ATTENTION_BLOCK = 128
+"""Query (and key) rows per flash-attention thread block (FlashAttention-2/3 and cuDNN use 128 for d = 128)."""
+FLASH_BACKWARD_FLOPS = 2.5
+"""Backward / forward FLOPs of flash attention: Q K^T recomputed, dV, dP, dQ, dK (Dao 2023, Sec. 3.1)."""
+_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
+
+
+def peak_flops(gpu: GpuSpec, dtype: str = "bf16") -> float:
+    """Dense tensor-core peak, FLOP/s, for GEMMs in ``dtype`` (fp8, bf16, fp32 as TF32)."""
+    if dtype == "fp8":
+        if gpu.fp8_tflops <= 0:
+            raise ConfigError(f"GPU {gpu.name!r} has no FP8 tensor cores (fp8_tflops=0); train in bf16")
+        return gpu.fp8_tflops * 1e12
+    return gpu.bf16_tflops * 1e12 * (_TF32_FRACTION if dtype == "fp32" else 1.0)
+
+
+def kernel_overhead_ms(gpu: GpuSpec, kernels: float = 1.0) -> float:
+    return kernels * gpu.kernel_overhead_us * 1e-3
+
+
+def _waves_utilization(blocks: int, num_sms: int) -> float:
+    if num_sms <= 0 or blocks <= 0:
+        return 1.0
+    return blocks / (math.ceil(blocks / num_sms) * num_sms)
+
+
+def _tile_utilization(m: int, n: int, num_sms: int) -> float:
+    if num_sms <= 0:
+        return 1.0
+    best = 0.0
+    for tile_m, tile_n in _TILES:
+        rows, cols = math.ceil(m / tile_m), math.ceil(n / tile_n)
+        padded = (m * n) / (rows * tile_m * cols * tile_n)
+        best = max(best, padded * _waves_utilization(rows * cols, num_sms))
+    return best
+
+
+def _gemm_rate(gpu: GpuSpec, dtype: str, runtime: RuntimeSpec) -> float:
+    efficiency = (gpu.fp8_matmul_efficiency or gpu.matmul_efficiency) if dtype == "fp8" else gpu.matmul_efficiency
+    return efficiency * runtime.gemm_scale(gpu.architecture) * peak_flops(gpu, dtype)
+
+
+def memory_ms(*, num_bytes: float, gpu: GpuSpec, kernels: float = 0.0) -> float:
+    """Memory-bound kernels moving ``num_bytes`` (read + written), plus their fixed overhead."""
+    return num_bytes / (gpu.bandwidth_efficiency * gpu.hbm_gbytes_per_s * 1e9) * 1e3 + kernel_overhead_ms(gpu, kernels)
+
+
+def gemm_ms(*, m: float, n: float, k: float, dtype: str, gpu: GpuSpec, runtime: RuntimeSpec = RuntimeSpec(),
+            out_bytes: int = 2) -> float:
+    """One GEMM producing an ``m x n`` output over a reduction of ``k``; 0 when any side is 0."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    m, n = int(math.ceil(m)), int(math.ceil(n))
+    compute = 2.0 * m * n * k / (_gemm_rate(gpu, dtype, runtime) * _tile_utilization(m, n, gpu.num_sms))
+    traffic = _BYTES[dtype] * (m * k + k * n) + out_bytes * m * n
+    memory = traffic / (gpu.bandwidth_efficiency * gpu.hbm_gbytes_per_s * 1e9)
+    return max(compute, memory) * 1e3 + kernel_overhead_ms(gpu)
+
+
+def attention_ms(*, batch_heads: float, q_len: int, kv_len: int, head_dim: int, causal: bool, backward: bool,
+                 gpu: GpuSpec, runtime: RuntimeSpec = RuntimeSpec(), calls: int = 1) -> float:
+    """Flash attention over ``batch_heads`` (micro-batch x local heads) of ``q_len`` queries against ``kv_len``
+    keys, in ``calls`` kernel launches (context parallelism's ring steps, each over all local queries against
+    one block of keys); forward or backward."""
+    if batch_heads <= 0 or q_len <= 0:
+        return 0.0
+    pairs = q_len * kv_len
+    if causal:
+        # The lower triangle, and the diagonal blocks computed whole.
+        pairs = q_len * kv_len / 2 + q_len * min(_ATTENTION_BLOCK, kv_len) / 2
+    flops = 4.0 * batch_heads * pairs * head_dim * (FLASH_BACKWARD_FLOPS if backward else 1.0)
+    efficiency = gpu.attention_backward_efficiency if backward else gpu.attention_efficiency
+    rate = efficiency * runtime.attention_scale(gpu.architecture) * peak_flops(gpu, "bf16")
+    blocks = int(math.ceil(batch_heads)) * math.ceil(q_len / _ATTENTION_BLOCK)
+    return flops / (rate * _waves_utilization(blocks, gpu.num_sms)) * 1e3 + kernel_overhead_ms(gpu, calls)

@@ -1,0 +1,440 @@
+"""Memory of a pipeline rank that holds several layout stages (interleaved and V-shaped schedules).
+
+A rank's chunks share its memory, and their activations peak at different moments: at any moment
+the rank holds ``sum_c static_c + sum_c n_c * act_c``, where ``n_c`` counts chunk c's microbatches in
+flight then (:func:`megapipe.schedules.rank_in_flight_profiles` lists the moments that can be the
+peak). So a split fits a rank when, for every such vector n,
+
+    sum_c static_c + sum_c n_c act_c <= memory_bytes of the rank,
+
+which couples non-contiguous layout stages. Two exact solvers of the min-max split under it:
+
+- :func:`uniform_split`, for the cost model's profiles ([embedding] + identical decoders + [loss]):
+  only the decoder count of each stage matters. For a bottleneck T every stage takes at most
+  ``D_s(T)`` decoders; each rank's largest feasible total is a small integer program over its v
+  counts (memory is monotone in the counts, so every total between the smallest and the largest
+  is feasible too), and T is feasible exactly when the ranks' largest totals reach the decoder
+  count. Binary search over the candidate T values gives the optimum.
+- :func:`milp_split`, for any profile: a mixed-integer program over boundary indicators
+  (HiGHS through ``scipy.optimize.milp``), exact when it finishes within its time limit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megapipe.records import LayerCost, LayerKind, StageSpec
+
+__all__ = ["UniformShape", "uniform_shape", "rank_stages", "rank_peaks", "uniform_split", "uniform_fits",
+           "uniform_may_fit", "milp_split",
+           "Unsolved"]
+
+
+class Unsolved(Exception):
+    """HiGHS stopped at its time limit without a split (it did not prove that none fits)."""
+
+_EPS = 1e-9
+_SEARCHED_CHUNKS = 6
+"""Up to this many chunks per rank the rank's integer program is searched directly; beyond it, HiGHS."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UniformShape:
+    """A profile of the form [head] + identical decoders + [tail]."""
+
+    decoder: LayerCost
+    num_decoders: int
+    head: LayerCost | None
+    """A non-decoder first entry (the embedding); it always sits on the first layout stage."""
+    tail: LayerCost | None
+    """A non-decoder last entry (the loss); it always sits on the last layout stage."""
+
+
+def uniform_shape(layers: Sequence[LayerCost], *, times: bool = False) -> UniformShape | None:
+    """The profile's shape, or None when its decoders differ in bytes (and, with ``times``, in time) or
+    other kinds sit between them."""
+    head = layers[0] if layers and layers[0].kind != LayerKind.decoder else None
+    tail = layers[-1] if len(layers) > 1 and layers[-1].kind != LayerKind.decoder else None
+    middle = layers[(head is not None): len(layers) - (tail is not None)]
+    if not middle:
+        return None
+    first = middle[0]
+
+    def key(layer: LayerCost) -> tuple:
+        return (layer.static_bytes, layer.act_bytes) + ((layer.fwd_ms + layer.bwd_ms,) if times else ())
+
+    for layer in middle:
+        if layer.kind != LayerKind.decoder or key(layer) != key(first):
+            return None
+    return UniformShape(decoder=first, num_decoders=len(middle), head=head, tail=tail)
+
+
+def rank_stages(ranks: Sequence[int], pipeline_model_parallel_size: int) -> tuple[tuple[int, ...], ...]:
+    """Each rank's layout stages, in stage order (the order of its profile vectors' entries)."""
+    out: list[list[int]] = [[] for _ in range(pipeline_model_parallel_size)]
+    for stage, rank in enumerate(ranks):
+        out[rank].append(stage)
+    return tuple(tuple(stages) for stages in out)
+
+
+def rank_peaks(*, static: Sequence[float], act: Sequence[float], ranks: Sequence[int],
+               profiles: Sequence[Sequence[Sequence[int]]]) -> tuple[float, ...]:
+    """Each rank's peak bytes over the step: its chunks' static bytes plus the largest in-flight sum."""
+    peaks = []
+    for rank, stages in enumerate(rank_stages(ranks, len(profiles))):
+        held = max((math.fsum(n * act[s] for n, s in zip(vector, stages)) for vector in profiles[rank]), default=0.0)
+        peaks.append(math.fsum(static[s] for s in stages) + held)
+    return tuple(peaks)
+
+
+# -- identical decoders ----------------------------------------------------------------------------
+def _pinned(shape: UniformShape, num_stages: int) -> list[tuple[float, float, float]]:
+    """(time, static, act) that each layout stage holds besides its decoders: the head and the tail."""
+    out = [(0.0, 0.0, 0.0)] * num_stages
+    for entry, stage in ((shape.head, 0), (shape.tail, num_stages - 1)):
+        if entry is not None:
+            time, static, act = out[stage]
+            out[stage] = (time + entry.fwd_ms + entry.bwd_ms, static + entry.static_bytes, act + entry.act_bytes)
+    return out
+
+
+class _RankProblem:
+    """max sum_s d_s over one rank's stages, lo_s <= d_s <= hi_s, within its memory at every profile vector.
+
+    Plain Python lists: the problems are tiny (a few stages, a few rows) and solved thousands of times.
+    """
+
+    def __init__(self, shape: UniformShape, stages: Sequence[int], profile, cap: float, pinned, low: Sequence[int]):
+        decoder = shape.decoder
+        self.stages, self.low = tuple(stages), tuple(low)
+        self.rows = [[decoder.static_bytes + n * decoder.act_bytes for n in vector] for vector in profile]
+        rooms = [cap - sum(pinned[s][1] + n * pinned[s][2] for n, s in zip(vector, stages)) for vector in profile]
+        self.limit = [room + _EPS * max(1.0, abs(room)) for room in rooms]
+        self.room = rooms
+        self.columns = list(zip(*self.rows)) if self.rows else [()] * len(self.stages)
+        self._cache: dict[tuple[int, ...], list[int] | None] = {}
+
+    def _used(self, counts: Sequence[float]) -> list[float]:
+        return [sum(w * c for w, c in zip(row, counts)) for row in self.rows]
+
+    def fits(self, counts: Sequence[int]) -> bool:
+        for row, limit in zip(self.rows, self.limit):
+            if sum(w * c for w, c in zip(row, counts)) > limit:
+                return False
+        return True
+
+    def upper(self, high: Sequence[int]) -> float:
+        """An upper bound on the largest total: each memory row alone, filled with its cheapest decoders."""
+        base = sum(self.low)
+        bound = float(sum(high))
+        for row, used, limit in zip(self.rows, self._used(self.low), self.limit):
+            cheapest = min(row) if row else 0.0
+            if cheapest > 0:
+                bound = min(bound, base + max(limit - used, 0.0) / cheapest)
+        return bound
+
+    def _greedy(self, high: tuple[int, ...]) -> list[int]:
+        """Feasible counts: add decoders one at a time where they use the least of the tightest room."""
+        counts = list(self.low)
+        used = self._used(counts)
+        columns = self.columns
+        while True:
+            best, best_cost = -1, math.inf
+            for index, top in enumerate(high):
+                if counts[index] >= top:
+                    continue
+                column = columns[index]
+                cost = 0.0
+                for weight, now, limit in zip(column, used, self.limit):
+                    if now + weight > limit:
+                        cost = math.inf
+                        break
+                    cost = max(cost, weight / max(limit - now, 1e-300))
+                if cost < best_cost:
+                    best, best_cost = index, cost
+            if best < 0:
+                return counts
+            counts[best] += 1
+            used = [now + weight for now, weight in zip(used, columns[best])]
+
+    def largest(self, high: tuple[int, ...]) -> int | None:
+        """The largest feasible total with d_s <= high_s, or None when even the smallest counts do not fit."""
+        found = self._best(high)
+        return None if found is None else sum(found)
+
+    def _best(self, high: tuple[int, ...]) -> list[int] | None:
+        """Counts of the largest feasible total (cached per ``high``)."""
+        if high in self._cache:
+            return self._cache[high]
+        found: list[int] | None
+        if any(h < lo for h, lo in zip(high, self.low)) or not self.fits(self.low):
+            found = None
+        elif self.fits(high):
+            found = list(high)
+        else:
+            found = self._greedy(high)
+            if sum(found) < math.floor(self.upper(high) + 1e-9):  # the bound leaves room: settle it exactly
+                found = self._branch_and_bound(high, found) if len(high) <= _SEARCHED_CHUNKS else self._solve(high)
+        self._cache[high] = found
+        return found
+
+    def _branch_and_bound(self, high: tuple[int, ...], incumbent: list[int]) -> list[int]:
+        """Exact: depth-first over the stages' counts (largest first), pruned by the rows' relaxation."""
+        size = len(high)
+        columns = list(zip(*self.rows))
+        cheapest = [[min(row[index:]) for row in self.rows] for index in range(size)]
+        best, best_total = list(incumbent), sum(incumbent)
+        chosen = [0] * size
+
+        def visit(index: int, used: list[float], total: int) -> None:
+            nonlocal best, best_total
+            if index == size:
+                if total > best_total:
+                    best, best_total = chosen[:], total
+                return
+            spare = [limit - now - sum(w * c for w, c in zip(row[index:], self.low[index:]))
+                     for limit, now, row in zip(self.limit, used, self.rows)]
+            if any(value < 0 for value in spare):
+                return
+            room = min((value / cheap for value, cheap in zip(spare, cheapest[index]) if cheap > 0), default=math.inf)
+            if total + min(sum(high[index:]), sum(self.low[index:]) + math.floor(room + 1e-9)) <= best_total:
+                return
+            column = columns[index]
+            for count in range(high[index], self.low[index] - 1, -1):
+                after = [now + count * weight for now, weight in zip(used, column)]
+                if all(value <= limit for value, limit in zip(after, self.limit)):
+                    chosen[index] = count
+                    visit(index + 1, after, total + count)
+
+        visit(0, [0.0] * len(self.rows), 0)
+        return best
+
+    def _solve(self, high: tuple[int, ...]) -> list[int]:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
+        result = milp(-np.ones(len(high)), integrality=np.ones(len(high)),
+                      bounds=Bounds(np.asarray(self.low, dtype=float), np.asarray(high, dtype=float)),
+                      constraints=LinearConstraint(np.asarray(self.rows, dtype=float), -np.inf,
+                                                   np.asarray(self.limit, dtype=float)))
+        if result.x is None:
+            return list(self.low)
+        return [int(round(x)) for x in result.x]
+
+    def counts(self, high: tuple[int, ...], total: int) -> list[int]:
+        """Feasible counts summing to ``total`` (at most the largest): the largest total's counts, trimmed from
+        the fullest stages (fewer decoders never need more memory)."""
+        counts = list(self._best(high) or self.low)
+        while sum(counts) > total:
+            index = max((i for i in range(len(counts)) if counts[i] > self.low[i]), key=lambda i: (counts[i], -i))
+            counts[index] -= 1
+        return counts
+
+
+def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
+                    profiles: Sequence[Sequence[Sequence[int]]]) -> bool:
+    """False only when no split of the decoders fits every rank's coupled memory (a relaxation: each rank's
+    largest total bounded by each memory row alone, no integer program)."""
+    num_stages, pp = len(ranks), len(stages)
+    pinned = _pinned(shape, num_stages)
+    low = _lows(shape, num_stages)
+    if sum(low) > shape.num_decoders:
+        return False
+    owned = rank_stages(ranks, pp)
+    total = 0.0
+    for rank in range(pp):
+        problem = _RankProblem(shape, owned[rank], profiles[rank], stages[rank].memory_bytes, pinned,
+                               [low[s] for s in owned[rank]])
+        if not problem.fits(problem.low):
+            return False
+        total += problem.upper((shape.num_decoders,) * len(owned[rank]))
+    return total >= shape.num_decoders - 1e-9
+
+
+def uniform_fits(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
+                 profiles: Sequence[Sequence[Sequence[int]]]) -> bool:
+    """Whether any split of the decoders fits every rank's coupled memory (no bound on the bottleneck)."""
+    num_stages, pp = len(ranks), len(stages)
+    pinned = _pinned(shape, num_stages)
+    low = _lows(shape, num_stages)
+    if sum(low) > shape.num_decoders:
+        return False
+    owned = rank_stages(ranks, pp)
+    total = 0
+    for rank in range(pp):
+        problem = _RankProblem(shape, owned[rank], profiles[rank], stages[rank].memory_bytes, pinned,
+                               [low[s] for s in owned[rank]])
+        largest = problem.largest((shape.num_decoders,) * len(owned[rank]))
+        if largest is None:
+            return False
+        total += largest
+    return total >= shape.num_decoders
+
+
+def _lows(shape: UniformShape, num_stages: int) -> list[int]:
+    """Fewest decoders per stage: none beside the head or the tail, one elsewhere (no empty stage)."""
+    return [0 if (stage == 0 and shape.head) or (stage == num_stages - 1 and shape.tail) else 1
+            for stage in range(num_stages)]
+
+
+def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
+                  profiles: Sequence[Sequence[Sequence[int]]], lower_bound: float | None = None) -> tuple[int, ...] | None:
+    """Boundaries (entry indices) of the min-max split under the coupled rank memory, or None if none fits.
+
+    ``lower_bound``: a bottleneck no split beats (the split without memory limits), where the search starts."""
+    num_stages, pp = len(ranks), len(stages)
+    pinned = _pinned(shape, num_stages)
+    low = _lows(shape, num_stages)
+    if sum(low) > shape.num_decoders:
+        return None
+    owned = rank_stages(ranks, pp)
+    problems = [_RankProblem(shape, owned[r], profiles[r], stages[r].memory_bytes, pinned, [low[s] for s in owned[r]])
+                for r in range(pp)]
+    unit = shape.decoder.fwd_ms + shape.decoder.bwd_ms
+    n = shape.num_decoders
+
+    def highs(bottleneck: float) -> list[int] | None:
+        out = []
+        for stage in range(num_stages):
+            scale = stages[ranks[stage]].time_scale
+            spare = bottleneck / scale - pinned[stage][0] if scale > 0 else math.inf
+            top = n if unit <= 0 else int(math.floor(spare / unit + _EPS))
+            if top < low[stage]:
+                return None
+            out.append(min(top, n))
+        return out
+
+    def feasible(bottleneck: float) -> tuple[list[int], list[int | None]] | None:
+        high = highs(bottleneck)
+        if high is None:
+            return None
+        largest = [problems[r].largest(tuple(high[s] for s in owned[r])) for r in range(pp)]
+        if any(value is None for value in largest) or sum(largest) < n:
+            return None
+        return high, largest
+
+    values = sorted({stages[ranks[s]].time_scale * (pinned[s][0] + d * unit)
+                     for s in range(num_stages) for d in range(low[s], n + 1)})
+    if lower_bound is not None:
+        values = [value for value in values if value >= lower_bound * (1 - 1e-12)] or values[-1:]
+    if not values or feasible(values[-1]) is None:
+        return None
+    # Gallop from the lower bound (the answer is usually a few values above it), then bisect.
+    lo, hi, step = 0, len(values) - 1, 1
+    while lo + step < hi and feasible(values[lo + step]) is None:
+        lo, step = lo + step + 1, step * 2
+    hi = min(hi, lo + step)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(values[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    high, largest = feasible(values[lo])
+    return _bounds_from(problems, owned, high, largest, n, shape, num_stages)
+
+
+def _bounds_from(problems, owned, high, largest, n, shape: UniformShape, num_stages: int) -> tuple[int, ...]:
+    """Decoder counts per stage (each rank's total spread by room left, then over its stages), as boundaries."""
+    counts = [0] * num_stages
+    totals = [sum(problem.low) for problem in problems]
+    for _ in range(n - sum(totals)):  # one decoder at a time to the rank with the most room left
+        rank = max(range(len(problems)), key=lambda r: (largest[r] - totals[r], -r))
+        totals[rank] += 1
+    for rank, problem in enumerate(problems):
+        chosen = problem.counts(tuple(high[s] for s in owned[rank]), totals[rank])
+        for stage, count in zip(owned[rank], chosen):
+            counts[stage] = count
+    bounds = [0]
+    for stage, count in enumerate(counts):
+        entries = count + (1 if stage == 0 and shape.head else 0) + (1 if stage == num_stages - 1 and shape.tail else 0)
+        bounds.append(bounds[-1] + entries)
+    return tuple(bounds)
+
+
+# -- any profile -----------------------------------------------------------------------------------
+def milp_split(*, layers: Sequence[LayerCost], stages: Sequence[StageSpec], ranks: Sequence[int],
+               profiles: Sequence[Sequence[Sequence[int]]], time_limit_s: float = 20.0) -> tuple[int, ...] | None:
+    """The min-max split under the coupled rank memory for any profile, as a MILP; None when none fits.
+    Raises :class:`Unsolved` when HiGHS stops at ``time_limit_s`` without a split.
+
+    Variables ``z[s, l]`` (s = 1..S-1) say that entry l lies in layout stage s or later, monotone in l
+    and in s; entry l is in stage s exactly when ``z[s, l] - z[s+1, l] = 1`` (z[0] = 1, z[S] = 0). Each
+    stage holds >= 1 entry, ``time_scale * time(s) <= T``, and every rank meets every profile vector.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    count, num_stages, pp = len(layers), len(ranks), len(stages)
+    width = (num_stages - 1) * count + 1
+    rows, cols, data, lower, upper = [], [], [], [], []
+
+    def variable(stage: int, entry: int) -> int:
+        return (stage - 1) * count + entry
+
+    def add(coefficients: dict[int, float], low: float, high: float) -> None:
+        row = len(lower)
+        for col, value in coefficients.items():
+            rows.append(row)
+            cols.append(col)
+            data.append(value)
+        lower.append(low)
+        upper.append(high)
+
+    def stage_sum(stage: int, values: Sequence[float]) -> tuple[dict[int, float], float]:
+        """The stage's sum of ``values`` as coefficients on z, and its constant (z[0] = 1)."""
+        coefficients: dict[int, float] = {}
+        for entry, value in enumerate(values):
+            if stage >= 1:
+                coefficients[variable(stage, entry)] = coefficients.get(variable(stage, entry), 0.0) + value
+            if stage + 1 <= num_stages - 1:
+                coefficients[variable(stage + 1, entry)] = coefficients.get(variable(stage + 1, entry), 0.0) - value
+        return coefficients, (math.fsum(values) if stage == 0 else 0.0)
+
+    for stage in range(1, num_stages):
+        for entry in range(count - 1):
+            add({variable(stage, entry): 1.0, variable(stage, entry + 1): -1.0}, -np.inf, 0.0)
+        if stage + 1 <= num_stages - 1:
+            for entry in range(count):
+                add({variable(stage + 1, entry): 1.0, variable(stage, entry): -1.0}, -np.inf, 0.0)
+    ones = [1.0] * count
+    times = [layer.fwd_ms + layer.bwd_ms for layer in layers]
+    for stage in range(num_stages):
+        coefficients, constant = stage_sum(stage, ones)
+        add(coefficients, 1.0 - constant, np.inf)
+        scale = stages[ranks[stage]].time_scale
+        coefficients, constant = stage_sum(stage, [scale * t for t in times])
+        coefficients[width - 1] = -1.0
+        add(coefficients, -np.inf, -constant)
+    for rank, owned in enumerate(rank_stages(ranks, pp)):
+        for vector in profiles[rank]:
+            total: dict[int, float] = {}
+            constant = 0.0
+            for n, stage in zip(vector, owned):
+                coefficients, part = stage_sum(stage, [layer.static_bytes + n * layer.act_bytes for layer in layers])
+                constant += part
+                for col, value in coefficients.items():
+                    total[col] = total.get(col, 0.0) + value
+            add(total, -np.inf, stages[rank].memory_bytes - constant)
+    matrix = coo_matrix((data, (rows, cols)), shape=(len(lower), width)).tocsr()
+    low, high = np.zeros(width), np.ones(width)
+    high[-1] = np.inf
+    for stage in range(1, num_stages):
+        high[variable(stage, 0)] = 0.0  # the first entry is in stage 0
+    low[variable(num_stages - 1, count - 1)] = 1.0  # the last entry is in the last stage
+    integrality = np.ones(width)
+    integrality[-1] = 0
+    cost = np.zeros(width)
+    cost[-1] = 1.0
+    result = milp(cost, constraints=LinearConstraint(matrix, lower, upper), integrality=integrality,
+                  bounds=Bounds(low, high), options={"time_limit": time_limit_s})
+    if result.x is None:
+        if result.status == 2:  # proven infeasible
+            return None
+        raise Unsolved(result.message)
+    z = np.round(result.x[:-1]).reshape(num_stages - 1, count)
+    bounds = [0] + [int(count - z[stage - 1].sum()) for stage in range(1, num_stages)] + [count]
+    return tuple(bounds)

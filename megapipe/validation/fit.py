@@ -1,0 +1,174 @@
+"""Fit the runtime's fields to measured runs, and leave-one-out: predicted against measured step times.
+
+The model's kernels come from microbenchmarks (the cluster files); what training adds to them is a
+:class:`~megapipe.records.RuntimeSpec`: in-training scales on the GEMM, attention and collective
+efficiencies, and the framework's time per microbatch and per step. :func:`fit_runtime` picks the
+fields that minimise the squared log error of step time over the runs (log, so a 1 s and a 100 s
+step weigh alike) by Levenberg-Marquardt (:mod:`megapipe.least_squares`) in log coordinates, so
+scales and overheads stay positive. :func:`leave_one_out` refits without each run in turn and
+predicts it: the error a run outside the set can expect. Pure: records in, records out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megapipe.errors import ConfigError
+from megapipe.least_squares import identified, jacobian, kept_directions, levenberg_marquardt
+from megapipe.plan.plans import Plan
+from megapipe.records import ClusterSpec, RuntimeSpec
+from megapipe.validation.predict import Resolved, predict, run_cluster
+
+__all__ = ["FIT_FIELDS", "DEFAULT_FIT", "with_values", "RunSet", "Fitted", "fit_runtime", "leave_one_out"]
+
+_TABLES = {"gemm_efficiency_scale": "gemm_efficiency_by_architecture",
+           "attention_efficiency_scale": "attention_efficiency_by_architecture"}
+FIT_FIELDS = ("gemm_efficiency_scale.ampere", "gemm_efficiency_scale.hopper", "gemm_efficiency_scale.blackwell",
+              "attention_efficiency_scale.ampere", "attention_efficiency_scale.hopper",
+              "attention_efficiency_scale.blackwell", "gemm_efficiency_scale", "attention_efficiency_scale",
+              "comm_efficiency_scale", "microbatch_overhead_ms", "step_overhead_ms")
+"""What can be fitted: ``<scale>.<architecture>`` is that generation's entry of the runtime's per-architecture
+table (RuntimeSpec.gemm_efficiency_by_architecture, attention_efficiency_by_architecture)."""
+DEFAULT_FIT = ("gemm_efficiency_scale.ampere", "gemm_efficiency_scale.hopper", "gemm_efficiency_scale.blackwell",
+               "attention_efficiency_scale.hopper", "attention_efficiency_scale.blackwell", "step_overhead_ms")
+"""What `megapipe validate` fits: per generation, GEMMs and attention in training against their microbenchmarks
+(A100 runs spend ~2% in attention, too little to fix its scale), and the per-step overhead. The collectives keep
+nccl-tests' measured bus bandwidth (scale 1), and the per-microbatch overhead stays 0: the public runs do not
+determine it (a fit puts it at 0)."""
+_OVERHEAD_START = {"microbatch_overhead_ms": 1.0, "step_overhead_ms": 10.0}
+"""Where a zero overhead starts its fit (log coordinates cannot start at 0)."""
+_STEP = 1e-3
+"""Finite-difference step in log coordinates: 0.1%, wide enough to see past the model's max() kinks."""
+
+
+class RunSet:
+    """Resolved runs and their clusters; predicts every run's step time for a runtime (schedules cached)."""
+
+    def __init__(self, resolved: Sequence[Resolved], clusters: Sequence[ClusterSpec]):
+        if len(resolved) != len(clusters):
+            raise ValueError("one cluster per resolved run")
+        self.resolved = tuple(resolved)
+        self.clusters = tuple(clusters)
+        self._schedules: list[dict] = [{} for _ in self.resolved]
+
+    def __len__(self) -> int:
+        return len(self.resolved)
+
+    def plan(self, index: int, runtime: RuntimeSpec) -> Plan:
+        run = self.resolved[index]
+        cluster = run_cluster(run.run, self.clusters[index], runtime)
+        return predict(run, cluster, schedules=self._schedules[index])
+
+    def step_times(self, runtime: RuntimeSpec, indices: Sequence[int]) -> np.ndarray:
+        return np.array([self.plan(index, runtime).step_time_s for index in indices])
+
+    def measured(self, indices: Sequence[int]) -> np.ndarray:
+        return np.array([self.resolved[index].run.step_time_s for index in indices])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fitted:
+    runtime: RuntimeSpec
+    identified: tuple[str, ...]
+    """Fields the runs determine; the others keep their starting value."""
+    rms_log_error: float
+    iterations: int
+
+
+def _value(runtime: RuntimeSpec, name: str) -> float:
+    scale, _, architecture = name.partition(".")
+    if architecture:
+        return dict(getattr(runtime, _TABLES[scale])).get(architecture, getattr(runtime, scale))
+    return getattr(runtime, name)
+
+
+def _to_free(runtime: RuntimeSpec, fields: Sequence[str]) -> np.ndarray:
+    values = [_value(runtime, name) or _OVERHEAD_START.get(name, 1.0) for name in fields]
+    return np.log(np.asarray(values, dtype=float))
+
+
+def with_values(runtime: RuntimeSpec, values: dict[str, float]) -> RuntimeSpec:
+    """``runtime`` with the named fields (FIT_FIELDS spelling) set."""
+    plain = {name: value for name, value in values.items() if "." not in name}
+    tables = {table: dict(getattr(runtime, table)) for table in _TABLES.values()}
+    for name, value in values.items():
+        scale, _, architecture = name.partition(".")
+        if architecture:
+            tables[_TABLES[scale]][architecture] = value
+    return dataclasses.replace(runtime, **plain, **{table: tuple(pairs.items()) for table, pairs in tables.items()})
+
+
+def _from_free(runtime: RuntimeSpec, fields: Sequence[str], theta: np.ndarray) -> RuntimeSpec:
+    return with_values(runtime, {name: float(math.exp(value)) for name, value in zip(fields, theta)})
+
+
+def _residual(runs: RunSet, start: RuntimeSpec, fields: Sequence[str], indices: Sequence[int]
+              ) -> Callable[[np.ndarray], np.ndarray]:
+    measured = np.log(runs.measured(indices))
+
+    def residual(theta: np.ndarray) -> np.ndarray:
+        return np.log(runs.step_times(_from_free(start, fields, theta), indices)) - measured
+
+    return residual
+
+
+def fit_runtime(runs: RunSet, *, start: RuntimeSpec = RuntimeSpec(), fields: Sequence[str] = DEFAULT_FIT,
+                indices: Sequence[int] | None = None, max_iter: int = 30) -> Fitted:
+    """The runtime that best predicts the runs at ``indices`` (all by default), starting from ``start``."""
+    unknown = [name for name in fields if name not in FIT_FIELDS]
+    if unknown:
+        raise ConfigError(f"cannot fit {unknown}; fit a subset of {list(FIT_FIELDS)}")
+    indices = tuple(range(len(runs))) if indices is None else tuple(indices)
+    if len(indices) < len(fields):
+        raise ConfigError(f"{len(indices)} runs cannot fix {len(fields)} fields; give at least as many runs")
+    residual = _residual(runs, start, fields, indices)
+    theta, iterations = levenberg_marquardt(residual, _to_free(start, fields), max_iter=max_iter, step=_STEP,
+                                            tolerance=1e-6)
+    final = residual(theta)
+    determined = identified(jacobian(residual, theta, final, step=_STEP), fields)
+    return Fitted(runtime=_from_free(start, fields, theta), identified=tuple(determined),
+                  rms_log_error=float(np.sqrt(np.mean(final**2))), iterations=iterations)
+
+
+def leave_one_out(runs: RunSet, *, start: RuntimeSpec, fields: Sequence[str] = DEFAULT_FIT, max_iter: int = 2,
+                  mapper: Callable = map) -> tuple[float, ...]:
+    """Each run's predicted step time (s) with the runtime refitted without it.
+
+    ``start`` is the fit on every run. Each fold starts from it moved by one Gauss-Newton step without the
+    held-out run (the full fit's Jacobian with that row deleted: the fold's optimum to first order), then
+    refits on the other runs by Levenberg-Marquardt. ``mapper`` runs the folds (``map``, or a process pool's).
+    """
+    everyone = tuple(range(len(runs)))
+    residual = _residual(runs, start, fields, everyone)
+    theta = _to_free(start, fields)
+    base = residual(theta)
+    full = jacobian(residual, theta, base, step=_STEP)
+    folds = [_Fold(index=index, start=start, fields=tuple(fields), theta=theta, base=base, jacobian=full,
+                   max_iter=max_iter) for index in everyone]
+    return tuple(mapper(functools.partial(_fold_prediction, runs), folds))
+
+
+@dataclass(frozen=True, slots=True)
+class _Fold:
+    index: int
+    start: RuntimeSpec
+    fields: tuple[str, ...]
+    theta: np.ndarray
+    base: np.ndarray
+    jacobian: np.ndarray
+    max_iter: int
+
+
+def _fold_prediction(runs: RunSet, fold: _Fold) -> float:
+    rest = [other for other in range(len(runs)) if other != fold.index]
+    u, singular, vt = kept_directions(fold.jacobian[rest])
+    shift = -vt.T @ ((u.T @ fold.base[rest]) / singular) if singular.size else np.zeros_like(fold.theta)
+    fold_start = _from_free(fold.start, fold.fields, fold.theta + shift)
+    fitted = fit_runtime(runs, start=fold_start, fields=fold.fields, indices=rest, max_iter=fold.max_iter).runtime
+    return runs.plan(fold.index, fitted).step_time_s

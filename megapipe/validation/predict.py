@@ -1,0 +1,138 @@
+"""Predict a published run's step time with megapipe's model: the run's cluster, its settings, its split.
+
+1. :func:`run_cluster` sizes the run's cluster option to its GPU count and applies a runtime.
+2. :func:`resolve` fills the settings the source leaves unstated (micro-batch size, virtual
+   pipeline size, sequence parallelism, recompute) with the planner's best choice among them,
+   every stated setting fixed, with the *uncalibrated* runtime: the choice never sees a
+   measurement, so a leave-one-out error stays honest. A virtual pipeline size is kept only if it
+   splits the layers evenly, as Megatron's default split needs. When nothing fits in memory (the run
+   did fit, with means megapipe does not model), the choice is made without the memory check and
+   the run is marked as not fitting.
+3. :func:`predict` evaluates the resolved run as it ran: Megatron's equal split of the decoder
+   layers, 1F1B or interleaved 1F1B, without a memory check; whether it fits is reported apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megapipe.errors import MegapipeError
+from megapipe.plan.evaluator import Evaluator
+from megapipe.plan.plans import Candidate, Plan, SearchOptions
+from megapipe.plan.search import search
+from megapipe.records import ClusterSpec, NodeGroup, ParallelSpec, RuntimeSpec, TrainSpec
+from megapipe.schedules import ScheduleName
+from megapipe.validation.runs import PublishedRun
+
+__all__ = ["Resolved", "run_cluster", "resolve", "predict", "candidate_of"]
+
+_MAX_VIRTUAL = 16
+"""Interleaving depths tried for a run that does not state its own (published runs go down to one layer per chunk)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resolved:
+    """A run with its unstated settings chosen."""
+
+    run: PublishedRun
+    parallel: ParallelSpec
+    train: TrainSpec
+    chosen: tuple[tuple[str, object], ...] = ()
+    """The unstated settings and the values the planner chose for them."""
+    fits: bool = True
+    """Whether megapipe's memory model says the run, as resolved, fits its GPUs."""
+
+
+def run_cluster(run: PublishedRun, base: ClusterSpec, runtime: RuntimeSpec | None = None) -> ClusterSpec:
+    """``base`` (the run's cluster option) with the run's node count and GPUs per node, and ``runtime``."""
+    nodes, rest = divmod(run.num_gpus, run.gpus_per_node)
+    gpus_per_node = run.gpus_per_node if not rest else run.num_gpus
+    group = NodeGroup(gpu=base.gpu, num_nodes=nodes if not rest else 1)
+    scale_up = base.scale_up_gpus if base.scale_up_gpus % gpus_per_node == 0 else 0
+    return dataclasses.replace(base, gpus_per_node=gpus_per_node, node_groups=(group,), scale_up_gpus=scale_up,
+                               runtime=runtime or base.runtime)
+
+
+def _schedule(parallel: ParallelSpec) -> str:
+    if parallel.pipeline_model_parallel_size > 1 and parallel.virtual_pipeline_model_parallel_size > 1:
+        return ScheduleName.interleaved_1f1b
+    return ScheduleName.one_f_one_b
+
+
+def candidate_of(parallel: ParallelSpec, train: TrainSpec) -> Candidate:
+    return Candidate(parallel=parallel, train=train, schedule=_schedule(parallel))
+
+
+def _fixed(run: PublishedRun) -> dict[str, object]:
+    par, train = run.parallel, run.train
+    fixed = {
+        "tensor_model_parallel_size": par.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
+        "context_parallel_size": par.context_parallel_size,
+        "virtual_pipeline_model_parallel_size": par.virtual_pipeline_model_parallel_size,
+        "sequence_parallel": par.sequence_parallel,
+        "micro_batch_size": train.micro_batch_size,
+        "recompute_granularity": train.recompute_granularity,
+    }
+    for name in run.unknown:
+        fixed.pop(name, None)
+    if "virtual_pipeline_model_parallel_size" in fixed:
+        fixed["schedule"] = _schedule(par)
+    elif run.schedule:
+        fixed["schedule"] = run.schedule  # interleaved, depth unstated: the planner picks v >= 2
+    return fixed
+
+
+def _fits(run: PublishedRun, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec) -> bool:
+    evaluator = Evaluator(model=run.model, cluster=cluster, options=SearchOptions(ignore_memory_limit=True))
+    return evaluator.evaluate(candidate_of(parallel, train), method="equal", check_memory=False).feasible
+
+
+def _ranked(run: PublishedRun, cluster: ClusterSpec, *, ignore_memory: bool) -> list[Plan]:
+    """The planner's plans with the run's stated settings fixed; even splits first (Megatron's default split)."""
+    layers, pp = run.model.num_layers, run.parallel.pipeline_model_parallel_size
+    options = SearchOptions(top_k=64, micro_batch_sizes=(1, 2, 4, 8, 16), ignore_memory_limit=ignore_memory,
+                            max_virtual_pipeline_model_parallel_size=_MAX_VIRTUAL)
+    try:
+        result = search(model=run.model, cluster=cluster, train=run.train, fixed=_fixed(run), options=options,
+                        use_distributed_optimizer=run.parallel.use_distributed_optimizer, template=run.parallel)
+    except MegapipeError:
+        return []
+    plans = sorted(result.plans, key=lambda plan: plan.step_time_s) if ignore_memory else list(result.plans)
+    even = [plan for plan in plans if layers % (pp * plan.parallel.virtual_pipeline_model_parallel_size) == 0]
+    return even or plans
+
+
+def resolve(run: PublishedRun, base: ClusterSpec) -> Resolved:
+    """The run with its unknown settings chosen by the planner on the uncalibrated runtime."""
+    cluster = run_cluster(run, base, RuntimeSpec())
+    if not run.unknown:
+        return Resolved(run=run, parallel=run.parallel, train=run.train,
+                        fits=_fits(run, cluster, run.parallel, run.train))
+    plans = _ranked(run, cluster, ignore_memory=False) or _ranked(run, cluster, ignore_memory=True)
+    if not plans:
+        return Resolved(run=run, parallel=run.parallel, train=run.train, fits=False,
+                        chosen=tuple((name, "no plan") for name in run.unknown))
+    best: Plan = plans[0]
+    parallel = dataclasses.replace(run.parallel, virtual_pipeline_model_parallel_size=best.parallel.virtual_pipeline_model_parallel_size,
+                                   sequence_parallel=best.parallel.sequence_parallel,
+                                   tp_comm_overlap=run.parallel.tp_comm_overlap and best.parallel.sequence_parallel)
+    train = dataclasses.replace(run.train, micro_batch_size=best.train.micro_batch_size,
+                                recompute_granularity=best.train.recompute_granularity)
+    values = {"micro_batch_size": train.micro_batch_size,
+              "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline_model_parallel_size,
+              "sequence_parallel": parallel.sequence_parallel,
+              "recompute_granularity": train.recompute_granularity.value}
+    return Resolved(run=run, parallel=parallel, train=train, chosen=tuple((name, values[name]) for name in run.unknown),
+                    fits=_fits(run, cluster, parallel, train))
+
+
+def predict(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None) -> Plan:
+    """The resolved run evaluated on ``cluster`` (sized by :func:`run_cluster`): equal split, no memory check.
+
+    ``schedules`` caches the built (and lowered) schedule across calls, as a fit re-prices one run many times.
+    """
+    evaluator = Evaluator(model=resolved.run.model, cluster=cluster, options=SearchOptions(ignore_memory_limit=True),
+                          schedules=schedules)
+    return evaluator.evaluate(candidate_of(resolved.parallel, resolved.train), method="equal", check_memory=False)

@@ -1,0 +1,168 @@
+"""Published measured training runs (``megapipe-runs/1``): the records, and the document's parser.
+
+A run names its source, the cluster option it ran on (``hydra_conf/cluster``), its GPU count, the
+model and parallel settings in Megatron's names, and the measured step time. Settings the source
+does not state are listed in ``unknown`` and parsed as placeholders; the validation lets the
+planner choose them (:mod:`megapipe.validation.predict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megapipe.config.validate import check_model, positive_int
+from megapipe.cost.precision import FP8_RECIPES, PRECISIONS
+from megapipe.errors import ConfigError
+from megapipe.records import Activation, ModelSpec, ParallelSpec, Recompute, TrainSpec
+
+__all__ = ["PublishedRun", "RUNS_FORMAT", "UNKNOWABLE", "runs_from_document"]
+
+RUNS_FORMAT = "megapipe-runs/1"
+UNKNOWABLE = ("micro_batch_size", "virtual_pipeline_model_parallel_size", "sequence_parallel",
+              "recompute_granularity")
+"""Settings a run may leave unstated; the planner picks them."""
+_MODEL_KEYS = ("name", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+               "vocab_size", "seq_length", "activation", "untie_embeddings_and_output_weights",
+               "position_embedding_type", "kv_channels")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublishedRun:
+    """One measured run: what ran, on what, and how long a step took."""
+
+    id: str
+    set: str
+    """The table or paper it comes from."""
+    source: str
+    """Where to read it (URL and place)."""
+    framework: str
+    cluster: str
+    """The ``hydra_conf/cluster`` option of its GPU."""
+    num_gpus: int
+    gpus_per_node: int
+    model: ModelSpec
+    parallel: ParallelSpec
+    train: TrainSpec
+    unknown: tuple[str, ...]
+    """Settings the source does not state (placeholders in parallel/train): a subset of UNKNOWABLE."""
+    schedule: str = ""
+    """The schedule when the source names it without the interleaving depth (``interleaved_1f1b``)."""
+    step_time_s: float
+    """Measured, or converted from the source's TFLOP/s with its own FLOP formula (``how``)."""
+    how: str
+    verified: bool = True
+    assumptions: tuple[str, ...] = ()
+
+    @property
+    def precision(self) -> str:
+        return self.train.precision
+
+
+def _get(node: Mapping, key: str, where: str):
+    if key not in node:
+        raise ConfigError(f"{where} lacks {key!r}; every run gives it (see megapipe/data/public_runs.yaml)")
+    return node[key]
+
+
+def _model(node: Mapping, where: str) -> ModelSpec:
+    unknown = sorted(set(node) - set(_MODEL_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}.model has unknown keys {unknown}; use Megatron's names {list(_MODEL_KEYS)}")
+    fields = {key: node[key] for key in _MODEL_KEYS if node.get(key) is not None}
+    for key in ("name", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                "seq_length"):
+        _get(fields, key, f"{where}.model")
+    fields.setdefault("num_query_groups", fields["num_attention_heads"])
+    try:
+        fields["activation"] = Activation(fields.get("activation", "swiglu"))
+    except ValueError:
+        raise ConfigError(f"{where}.model.activation={node.get('activation')!r} is unknown; use "
+                          f"{', '.join(a.value for a in Activation)}") from None
+    model = ModelSpec(**fields)
+    check_model(model)
+    return model
+
+
+def _run(node: Mapping, index: int) -> PublishedRun:
+    where = f"runs[{index}] ({node.get('id', '?')})"
+    parallel, train, measured = (_get(node, key, where) for key in ("parallel", "train", "measured"))
+    model = _model(_get(node, "model", where), where)
+    unknown = tuple(node.get("unknown") or ())
+    bad = [name for name in unknown if name not in UNKNOWABLE]
+    if bad:
+        raise ConfigError(f"{where}.unknown holds {bad}; only {list(UNKNOWABLE)} may be unstated")
+    num_gpus = positive_int(f"{where}.num_gpus", _get(node, "num_gpus", where))
+    tp, pp, cp = (positive_int(f"{where}.parallel.{key}", _get(parallel, key, f"{where}.parallel"))
+                  for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
+    if num_gpus % (tp * pp * cp):
+        raise ConfigError(f"{where}: num_gpus={num_gpus} is not divisible by TP*PP*CP={tp * pp * cp}; fix the run")
+    vp = parallel.get("virtual_pipeline_model_parallel_size")
+    sp = parallel.get("sequence_parallel")
+    precision = str(_get(train, "precision", f"{where}.train"))
+    if precision not in PRECISIONS:
+        raise ConfigError(f"{where}.train.precision={precision!r}; use one of {', '.join(PRECISIONS)}")
+    recipe = train.get("fp8_recipe") or ""
+    if precision == "fp8" and recipe not in FP8_RECIPES:
+        raise ConfigError(f"{where}.train.fp8_recipe={recipe!r}; an fp8 run names one of {', '.join(FP8_RECIPES)}")
+    schedule = parallel.get("schedule")
+    if schedule not in (None, "1f1b", "interleaved_1f1b"):
+        raise ConfigError(f"{where}.parallel.schedule={schedule!r}; a run states 1f1b or interleaved_1f1b (or nothing)")
+    if schedule == "interleaved_1f1b" and vp is not None and int(vp) < 2:
+        raise ConfigError(f"{where}: schedule=interleaved_1f1b with virtual_pipeline_model_parallel_size={vp}; "
+                          "interleaving needs 2 or more")
+    spec = ParallelSpec(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        virtual_pipeline_model_parallel_size=int(vp or 1), data_parallel_size=num_gpus // (tp * pp * cp),
+        sequence_parallel=bool(tp > 1 if sp is None else sp and tp > 1),
+        tp_comm_overlap=bool(parallel.get("tp_comm_overlap") or False) and tp > 1,
+        use_distributed_optimizer=bool(parallel.get("use_distributed_optimizer", True)),
+        overlap_grad_reduce=bool(parallel.get("overlap_grad_reduce", True)),
+        overlap_param_gather=bool(parallel.get("overlap_param_gather", True)),
+    )
+    mbs = train.get("micro_batch_size")
+    recompute = train.get("recompute_granularity")
+    train_spec = TrainSpec(
+        micro_batch_size=int(mbs or 1),
+        global_batch_size=positive_int(f"{where}.train.global_batch_size", _get(train, "global_batch_size", where)),
+        seq_length=positive_int(f"{where}.train.seq_length", train.get("seq_length") or model.seq_length),
+        recompute_granularity=Recompute(recompute or "none"), precision=precision, fp8_recipe=recipe,
+        fp8_param_gather=bool(train.get("fp8_param_gather") or False),
+    )
+    stated = {"micro_batch_size": mbs, "virtual_pipeline_model_parallel_size": vp, "sequence_parallel": sp,
+              "recompute_granularity": recompute}
+    missing = [name for name, value in stated.items() if value is None and name not in unknown
+               and not (name == "sequence_parallel" and tp == 1)
+               and not (name == "virtual_pipeline_model_parallel_size" and pp == 1)]
+    if missing:
+        raise ConfigError(f"{where}: {missing} are null but not listed in unknown; state them or list them")
+    step = measured.get("step_time_s")
+    if not (isinstance(step, (int, float)) and step > 0):
+        raise ConfigError(f"{where}.measured.step_time_s={step!r} must be a number > 0")
+    source = node.get("source") or {}
+    return PublishedRun(
+        id=str(_get(node, "id", where)), set=str(node.get("set", "")),
+        source=" ".join(str(source.get(key, "")) for key in ("url", "where") if source.get(key)),
+        framework=str(node.get("framework", "")), cluster=str(_get(node, "cluster", where)), num_gpus=num_gpus,
+        gpus_per_node=positive_int(f"{where}.gpus_per_node", node.get("gpus_per_node", 8)),
+        model=model, parallel=spec, train=train_spec, unknown=unknown, step_time_s=float(step),
+        schedule=str(schedule or ""),
+        how=str(measured.get("how", "")), verified=bool(node.get("verified", True)),
+        assumptions=tuple(str(item) for item in node.get("assumptions") or ()),
+    )
+
+
+def runs_from_document(document: object, *, source: str = "runs") -> tuple[PublishedRun, ...]:
+    """The runs of a ``megapipe-runs/1`` document; ConfigError naming the run and field on bad input."""
+    if not isinstance(document, Mapping) or document.get("format") != RUNS_FORMAT:
+        raise ConfigError(f"{source} is not a {RUNS_FORMAT} document (its 'format' key); see "
+                          "megapipe/data/public_runs.yaml for the layout")
+    runs = document.get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise ConfigError(f"{source} holds no runs; give a non-empty 'runs' list")
+    parsed = tuple(_run(node if isinstance(node, Mapping) else {}, index) for index, node in enumerate(runs))
+    ids = [run.id for run in parsed]
+    duplicates = sorted({run_id for run_id in ids if ids.count(run_id) > 1})
+    if duplicates:
+        raise ConfigError(f"{source}: run ids {duplicates} appear more than once; make them unique")
+    return parsed
