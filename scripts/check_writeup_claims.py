@@ -166,9 +166,10 @@ def claim_profile_partitioning() -> Claim:
                  how="simulated step of the best optimal split over the fastest equal split that fits among the "
                      "planner's top 20 (and over the best plan's own equal split); `megapipe plan` and PP8 rows "
                      "`model=M cluster=C parallel.pipeline_model_parallel_size=8`",
-                 verdict="holds only in some cases: near 0-3% for 70B/175B, more where the equal split does not "
-                         "fit (405B PP8) or the 128k-vocab output layer weighs several decoders (small models at "
-                         "PP8); cost-model decoders are identical, a measured profile may differ")
+                 verdict="holds only in some cases: 0% where the equal split of identical decoders fits (175B), "
+                         "more where it does not fit (70B, 405B PP8) or the 128k-vocab output layer weighs several "
+                         "decoders (small models at PP8); cost-model decoders are identical, a measured profile may "
+                         "differ")
 
 
 def claim_hetero() -> Claim:
@@ -237,9 +238,20 @@ def claim_optimal_depth() -> Claim:
                  source="\"Optimal point for 70B on H100 80GB: 8-16 stages with selective checkpointing\"",
                  figure=figure, how="`megapipe plan` (defaults), with parallel.pipeline_model_parallel_size=8/16 "
                                     "and train.recompute_granularity=selective",
-                 verdict="does not hold: 4 stages without recompute rank first (PP8 within "
-                         f"{100 * (1 - rows[8].tokens_per_s_per_gpu / best.tokens_per_s_per_gpu):.1f}%); "
-                         "'92-95% of peak' cannot be checked (peak undefined; MFU is far lower)")
+                 verdict=_depth_verdict(best, rows, selective))
+
+
+def _depth_verdict(best, rows, selective) -> str:
+    pp = best.parallel.pipeline_model_parallel_size
+    stages = (f"{pp} stages rank first" + (", inside 8-16" if 8 <= pp <= 16 else ", outside 8-16")
+              + (f" (PP8 within {100 * (1 - rows[8].tokens_per_s_per_gpu / best.tokens_per_s_per_gpu):.1f}%)"
+                 if pp != 8 else ""))
+    recompute = best.train.recompute_granularity.value
+    checkpoint = (f"selective recompute is {100 * (1 - selective.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu):.0f}% "
+                  "slower than none, which fits" if recompute == "none" else f"the best recomputes ({recompute})")
+    holds = "holds in part" if 8 <= pp <= 16 else "does not hold"
+    return (f"{holds}: {stages}; {checkpoint}; '92-95% of peak' cannot be checked (peak undefined; MFU "
+            f"{100 * best.mfu:.0f}%)")
 
 
 def claim_long_context() -> Claim:
@@ -251,7 +263,9 @@ def claim_long_context() -> Claim:
                  figure=f"seq 8192: {shape(short)}; seq 131072: {shape(long)}; depth {100 * cut:.0f}% lower",
                  how="`megapipe plan` vs `megapipe plan train.seq_length=131072 train.global_batch_size=16` "
                      "(same 2.1M tokens per step; CP searched)",
-                 verdict="holds for llama3_70b on 128 H100 (at the 50% edge; context parallelism takes the GPUs)")
+                 verdict=("holds for llama3_70b on 128 H100 (context parallelism takes the GPUs)" if 0.3 <= cut <= 0.5
+                          else f"direction holds, size does not: {100 * cut:.0f}% shallower, as context "
+                               f"parallelism takes the GPUs"))
 
 
 def _nearest_gpipe(percent: float, stages: int = 8) -> str:

@@ -23,7 +23,7 @@ _KEYS = {
               "model.mtp_num_layers", "model.rotary_base"),
     "cluster": ("cluster.num_nodes", "cluster.gpus_per_node", "cluster.price_per_gpu_hour", "cluster.gpu.memory_gib",
                 "cluster.gpu.bf16_tflops", "cluster.gpu.hbm_gbytes_per_s", "cluster.gpu.usable_memory_fraction",
-                "cluster.gpu.matmul_efficiency", "cluster.gpu.matmul_half_flops", "cluster.gpu.bandwidth_efficiency",
+                "cluster.gpu.matmul_efficiency", "cluster.gpu.kernel_overhead_us", "cluster.gpu.bandwidth_efficiency",
                 "cluster.intra_node.bandwidth_gbytes_per_s", "cluster.inter_node.latency_us"),
     "parallel": ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
                  "parallel.virtual_pipeline_model_parallel_size", "parallel.context_parallel_size",

@@ -128,3 +128,34 @@ def test_user_searchpath_adds_groups(tmp_path):
 
 def test_conf_dir_is_shipped_with_the_package():
     assert os.path.isfile(os.path.join(conf_dir(), "config.yaml"))
+
+
+def test_fp8_needs_fp8_tensor_cores_and_a_recipe_the_gpu_has():
+    with pytest.raises(ConfigError, match="fp8 needs FP8 tensor cores, which cluster.gpu 'a100_80gb' lacks"):
+        to_setup(compose(["cluster=a100_80gb", "train.precision=fp8"]))
+    with pytest.raises(ConfigError, match="mxfp8 needs Blackwell"):
+        to_setup(compose(["train.precision=fp8", "train.fp8_recipe=mxfp8"]))
+    with pytest.raises(ConfigError, match="need train.precision=fp8"):
+        to_setup(compose(["train.fp8_recipe=delayed"]))
+    with pytest.raises(ConfigError, match="fp8_param_gather=true needs parallel.use_distributed_optimizer"):
+        to_setup(compose(["train.precision=fp8", "train.fp8_param_gather=true",
+                          "parallel.use_distributed_optimizer=false"]))
+    hopper = to_setup(compose(["train.precision=fp8"])).train
+    assert (hopper.fp8_recipe, hopper.fp8_param_gather) == ("tensorwise", True)
+    blackwell = to_setup(compose(["cluster=b200_192gb", "train.precision=fp8"])).train
+    assert blackwell.fp8_recipe == "mxfp8"
+    blockwise = to_setup(compose(["train.precision=fp8", "train.fp8_recipe=blockwise"])).train
+    assert blockwise.fp8_param_gather is False
+
+
+def test_runtime_group_is_validated_and_reaches_the_cluster():
+    setup = to_setup(compose([]))
+    assert setup.cluster.runtime.name == "megatron_core" and 0 < setup.cluster.runtime.gemm_scale("hopper") < 1
+    with pytest.raises(ConfigError, match="runtime.gemm_efficiency_scale=0.0 must be > 0"):
+        to_setup(compose(["runtime.gemm_efficiency_scale=0"]))
+    with pytest.raises(ConfigError, match="runtime.step_overhead_ms=-1"):
+        to_setup(compose(["runtime.step_overhead_ms=-1"]))
+    with pytest.raises(ConfigError, match="scale_up_gpus=6 must be a multiple of gpus_per_node=4"):
+        to_setup(compose(["cluster=gb200_nvl72", "cluster.scale_up_gpus=6"]))
+    gb200 = to_setup(compose(["cluster=gb200_nvl72"])).cluster
+    assert gb200.domain_gpus == 72 and gb200.gpus_per_node == 4

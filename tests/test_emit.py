@@ -204,6 +204,33 @@ def test_precision_shape_and_environment():
     assert emit_for(part, single, case["train"], model=LLAMA3_70B).megatron_env == ()
 
 
+def test_fp8_and_tp_overlap_for_every_front_end():
+    case = GOLDEN_CASES["llama3_70b_tp4pp8"]
+    part = make_partition(case["stages"], pp=8)
+    parallel = dataclasses.replace(case["parallel"], tp_comm_overlap=True)
+    tensorwise = dataclasses.replace(case["train"], precision="fp8", fp8_recipe="tensorwise", fp8_param_gather=True)
+    out = emit_for(part, parallel, tensorwise, model=LLAMA3_70B, gpu=H100)
+    args = list(out.megatron_args)
+    assert args[args.index("--fp8-format") + 1] == "hybrid" and args[args.index("--fp8-recipe") + 1] == "tensorwise"
+    assert {"--bf16", "--fp8-param-gather", "--tp-comm-overlap"} <= set(args)
+    assert "mixed_precision=bf16_with_fp8_current_scaling_mixed" in out.bridge_overrides
+    assert {"trainer.plugins.fp8=hybrid", "trainer.plugins.fp8_recipe=tensorwise",
+            "trainer.plugins.fp8_param_gather=true"} <= set(out.nemo2_overrides)
+    assert {"model.fp8=true", "model.fp8_params=true", "model.ub_tp_comm_overlap=true"} <= set(out.nemo1_overrides)
+    assert any("first and last decoder layers in bf16" in w for w in out.warnings)
+    assert any("delayed scaling only" in w for w in out.warnings)
+    assert any("comm_overlap" in w for w in out.warnings) and any("MegatronCommOverlapCallback" in w for w in out.warnings)
+    mxfp8 = dataclasses.replace(tensorwise, fp8_recipe="mxfp8", fp8_param_gather=False)
+    out = emit_for(part, case["parallel"], mxfp8, model=LLAMA3_70B, gpu=B200)
+    args = list(out.megatron_args)
+    assert args[args.index("--fp8-format") + 1] == "e4m3" and "--fp8-param-gather" not in args
+    assert "--tp-comm-overlap" not in args
+    assert "mixed_precision=bf16_with_mxfp8_mixed" in out.bridge_overrides
+    assert any("sets fp8_param_gather=True, the plan fp8_param_gather=False" in w for w in out.warnings)
+    no_sp = dataclasses.replace(parallel, sequence_parallel=False)
+    assert "--tp-comm-overlap" not in emit_for(part, no_sp, case["train"], model=LLAMA3_70B).megatron_args
+
+
 def test_bridge_nested_keys_keep_model_fields_outside_the_transformer():
     case = GOLDEN_CASES["llama3_70b_tp4pp8"]
     part = make_partition(case["stages"], pp=8)

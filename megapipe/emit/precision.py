@@ -10,7 +10,8 @@ One home for the names (checked in the public sources, docs/emit.md):
   ``tensorwise``, ``bf16_with_mxfp8_mixed``, ``bf16_with_fp8_subchannel_scaling_mixed`` for
   ``blockwise``; ``megatron/bridge/training/mixed_precision.py``). Those recipes fix their own
   ``fp8_param_gather`` (on, off for blockwise), and the current-scaling one keeps the first and last
-  layers in bf16; where the plan differs, a warning says so. ``comm_overlap.tp_comm_overlap``.
+  layers in bf16; where the plan differs, a warning says so. TP overlap comes from the recipe's
+  ``comm_overlap`` (a warning says so).
 - NeMo 2: ``trainer.plugins`` (MegatronMixedPrecision) ``fp8``, ``fp8_recipe``, ``fp8_param_gather``.
 - NeMo 1: ``model.fp8``, ``model.fp8_hybrid``, ``model.fp8_params`` (delayed scaling only) and
   ``model.ub_tp_comm_overlap``.
@@ -71,7 +72,9 @@ def bridge_precision(train: TrainSpec, parallel: ParallelSpec) -> tuple[dict[str
             warnings.append(f"Megatron-Bridge's {recipe} keeps the first and last decoder layers in bf16; the plan "
                             "runs every layer in FP8 (those two layers take a little longer)")
     if tp_overlap_on(parallel):
-        settings["comm_overlap.tp_comm_overlap"] = True
+        warnings.append("Megatron-Bridge takes TP communication overlap from the recipe's "
+                        "comm_overlap=CommOverlapConfig(tp_comm_overlap=True) (its 70B and 175B recipes set one); "
+                        "an override cannot create it where the recipe has comm_overlap=None")
     return settings, warnings
 
 

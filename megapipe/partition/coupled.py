@@ -234,44 +234,40 @@ class _RankProblem:
         return counts
 
 
-def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
-                    profiles: Sequence[Sequence[Sequence[int]]]) -> bool:
-    """False only when no split of the decoders fits every rank's coupled memory (a relaxation: each rank's
-    largest total bounded by each memory row alone, no integer program)."""
+def _rank_problems(shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int], profiles
+                   ) -> tuple[list[_RankProblem], tuple[tuple[int, ...], ...], list, list[int]] | None:
+    """Each rank's problem (with the stages it owns, the head and tail bytes, the fewest decoders per stage),
+    or None when the stages need more decoders than there are."""
     num_stages, pp = len(ranks), len(stages)
     pinned = _pinned(shape, num_stages)
     low = _lows(shape, num_stages)
     if sum(low) > shape.num_decoders:
-        return False
+        return None
     owned = rank_stages(ranks, pp)
-    total = 0.0
-    for rank in range(pp):
-        problem = _RankProblem(shape, owned[rank], profiles[rank], stages[rank].memory_bytes, pinned,
-                               [low[s] for s in owned[rank]])
-        if not problem.fits(problem.low):
-            return False
-        total += problem.upper((shape.num_decoders,) * len(owned[rank]))
-    return total >= shape.num_decoders - 1e-9
+    problems = [_RankProblem(shape, owned[r], profiles[r], stages[r].memory_bytes, pinned, [low[s] for s in owned[r]])
+                for r in range(pp)]
+    return problems, owned, pinned, low
+
+
+def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
+                    profiles: Sequence[Sequence[Sequence[int]]]) -> bool:
+    """False only when no split of the decoders fits every rank's coupled memory (a relaxation: each rank's
+    largest total bounded by each memory row alone, no integer program)."""
+    found = _rank_problems(shape, stages, ranks, profiles)
+    if found is None or not all(problem.fits(problem.low) for problem in found[0]):
+        return False
+    top = shape.num_decoders
+    return sum(problem.upper((top,) * len(problem.stages)) for problem in found[0]) >= top - 1e-9
 
 
 def uniform_fits(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
                  profiles: Sequence[Sequence[Sequence[int]]]) -> bool:
     """Whether any split of the decoders fits every rank's coupled memory (no bound on the bottleneck)."""
-    num_stages, pp = len(ranks), len(stages)
-    pinned = _pinned(shape, num_stages)
-    low = _lows(shape, num_stages)
-    if sum(low) > shape.num_decoders:
+    found = _rank_problems(shape, stages, ranks, profiles)
+    if found is None:
         return False
-    owned = rank_stages(ranks, pp)
-    total = 0
-    for rank in range(pp):
-        problem = _RankProblem(shape, owned[rank], profiles[rank], stages[rank].memory_bytes, pinned,
-                               [low[s] for s in owned[rank]])
-        largest = problem.largest((shape.num_decoders,) * len(owned[rank]))
-        if largest is None:
-            return False
-        total += largest
-    return total >= shape.num_decoders
+    largest = [problem.largest((shape.num_decoders,) * len(problem.stages)) for problem in found[0]]
+    return None not in largest and sum(largest) >= shape.num_decoders
 
 
 def _lows(shape: UniformShape, num_stages: int) -> list[int]:
@@ -286,13 +282,10 @@ def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Se
 
     ``lower_bound``: a bottleneck no split beats (the split without memory limits), where the search starts."""
     num_stages, pp = len(ranks), len(stages)
-    pinned = _pinned(shape, num_stages)
-    low = _lows(shape, num_stages)
-    if sum(low) > shape.num_decoders:
+    found = _rank_problems(shape, stages, ranks, profiles)
+    if found is None:
         return None
-    owned = rank_stages(ranks, pp)
-    problems = [_RankProblem(shape, owned[r], profiles[r], stages[r].memory_bytes, pinned, [low[s] for s in owned[r]])
-                for r in range(pp)]
+    problems, owned, pinned, low = found
     unit = shape.decoder.fwd_ms + shape.decoder.bwd_ms
     n = shape.num_decoders
 
@@ -307,6 +300,30 @@ def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Se
             out.append(min(top, n))
         return out
 
+    def decided(bottleneck: float) -> bool | None:
+        """Feasibility from cheap bounds alone (None when only the exact rank totals can tell)."""
+        high = highs(bottleneck)
+        if high is None:
+            return False
+        upper = lower = 0.0
+        for rank, problem in enumerate(problems):
+            top = tuple(high[s] for s in owned[rank])
+            if top in problem._cache:
+                found = problem._cache[top]
+                if found is None:
+                    return False
+                upper, lower = upper + sum(found), lower + sum(found)
+            elif not problem.fits(problem.low):
+                return False
+            elif problem.fits(top):
+                upper, lower = upper + sum(top), lower + sum(top)
+            else:
+                upper += min(sum(top), math.floor(problem.upper(top) + 1e-9))
+                lower += sum(problem.low)
+        if upper < n:
+            return False
+        return True if lower >= n else None
+
     def feasible(bottleneck: float) -> tuple[list[int], list[int | None]] | None:
         high = highs(bottleneck)
         if high is None:
@@ -316,20 +333,24 @@ def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Se
             return None
         return high, largest
 
+    def ok(bottleneck: float) -> bool:
+        quick = decided(bottleneck)
+        return quick if quick is not None else feasible(bottleneck) is not None
+
     values = sorted({stages[ranks[s]].time_scale * (pinned[s][0] + d * unit)
                      for s in range(num_stages) for d in range(low[s], n + 1)})
     if lower_bound is not None:
         values = [value for value in values if value >= lower_bound * (1 - 1e-12)] or values[-1:]
-    if not values or feasible(values[-1]) is None:
+    if not values or not ok(values[-1]):
         return None
     # Gallop from the lower bound (the answer is usually a few values above it), then bisect.
     lo, hi, step = 0, len(values) - 1, 1
-    while lo + step < hi and feasible(values[lo + step]) is None:
+    while lo + step < hi and not ok(values[lo + step]):
         lo, step = lo + step + 1, step * 2
     hi = min(hi, lo + step)
     while lo < hi:
         mid = (lo + hi) // 2
-        if feasible(values[mid]) is None:
+        if not ok(values[mid]):
             lo = mid + 1
         else:
             hi = mid
