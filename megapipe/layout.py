@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from megapipe.errors import ConfigError
 from megapipe.records import LayerKind
 
-__all__ = ["LETTER", "format_layout", "parse_layout"]
+__all__ = ["LETTER", "format_layout", "parse_layout", "mtp_problem", "mtp_standalone"]
 
 LETTER = {LayerKind.embedding: "E", LayerKind.decoder: "t", LayerKind.mtp: "m", LayerKind.loss: "L"}
 _KIND = {v: k for k, v in LETTER.items()}
@@ -59,3 +59,41 @@ def parse_layout(layout: str) -> tuple[tuple[LayerKind, ...], ...]:
             raise ConfigError(f"cannot parse layout stage {text!r} in {layout!r}; use letters E, t, m, L and x*N")
         stages.append(tuple(kinds))
     return tuple(stages)
+
+
+def _mtp_stages(stage_kinds: Sequence[Sequence[LayerKind]]) -> list[int]:
+    return [index for index, kinds in enumerate(stage_kinds) if LayerKind.mtp in kinds]
+
+
+def mtp_problem(stage_kinds: Sequence[Sequence[LayerKind]], *, pipeline_model_parallel_size: int) -> str | None:
+    """Why megatron-core would not take this placement of the MTP layers, or None.
+
+    megatron-core's ``PipelineParallelLayerLayout.validate_layer_layout`` (core_v0.16.1 and main): every
+    ``m`` after the last ``t``; on each pipeline rank ``m`` only in the rank's last virtual chunk, and
+    that chunk holds all of them. Its intent, per its error message, is also no MTP on the first pipeline
+    rank (the code checks only the rank's other chunks); megapipe holds to the stricter rule.
+    """
+    stages = _mtp_stages(stage_kinds)
+    if not stages:
+        return None
+    pp = pipeline_model_parallel_size
+    flat = [kind for kinds in stage_kinds for kind in kinds]
+    if LayerKind.decoder in flat[flat.index(LayerKind.mtp):]:
+        return "a decoder layer t follows an MTP layer m; every m goes after the last t"
+    if len(stages) > 1:
+        return f"MTP layers are split over stages {stages}; megatron-core needs them all in one virtual stage"
+    stage = stages[0]
+    num_chunks = len(stage_kinds) // pp
+    if stage // pp != num_chunks - 1:
+        return (f"the MTP layers sit in stage {stage}, virtual chunk {stage // pp} of pipeline rank {stage % pp}; "
+                f"megatron-core allows them only in a rank's last chunk ({num_chunks - 1})")
+    if pp > 1 and stage % pp == 0:
+        return f"the MTP layers sit on the first pipeline rank (stage {stage}); put them on a later rank"
+    return None
+
+
+def mtp_standalone(stage_kinds: Sequence[Sequence[LayerKind]], *, pipeline_model_parallel_size: int) -> bool:
+    """megatron-core's ``mtp_standalone``: the MTP layers sit on a rank other than the last (it derives this
+    from the layout and builds them there without the loss)."""
+    stages = _mtp_stages(stage_kinds)
+    return bool(stages) and stages[0] % pipeline_model_parallel_size != pipeline_model_parallel_size - 1

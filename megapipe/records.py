@@ -44,6 +44,8 @@ SEARCH_DIMENSIONS = (
     "micro_batch_size",
     "recompute_granularity",
     "schedule",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
 )
 """What ``megapipe plan`` searches when left null; data_parallel_size is what is left of the GPUs."""
 
@@ -108,10 +110,63 @@ class ModelSpec:
     rotary_base: float = 10000.0
     """RoPE's theta (Megatron --rotary-base); Llama 3 uses 500,000."""
     norm_epsilon: float = 1e-5
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head (Qwen3; with MLA, the q and kv latents)."""
+    add_bias_linear: bool | None = None
+    """Biases on every linear layer (Megatron --add-bias-linear); None follows the activation's family
+    (gelu: yes, swiglu and squared_relu: no). GPT-OSS sets it with swiglu."""
+    # -- mixture of experts (megatron-core TransformerConfig names) --------------------------------------
+    num_moe_experts: int = 0
+    """Routed experts per MoE layer (Megatron --num-experts); 0 is a dense model."""
+    moe_ffn_hidden_size: int | None = None
+    """One routed expert's FFN width; ffn_hidden_size when None."""
+    moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int = 0
+    """All shared experts of a MoE layer together (n_shared x their width); 0 means none."""
+    moe_layer_freq: tuple[int, ...] = ()
+    """Per decoder layer, 1 for MoE and 0 for dense; empty means every layer is MoE (with experts)."""
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    # -- multi-latent attention (DeepSeek) ----------------------------------------------------------------
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    """Query latent width; None projects queries directly."""
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    """Per-head query/key width without RoPE (HF qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head RoPE width of queries and keys (HF qk_rope_head_dim)."""
+    v_head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_layer_freq", tuple(int(v) for v in self.moe_layer_freq))
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts > 0
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per decoder layer: MoE (True) or dense; all dense without experts."""
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        if not self.moe_layer_freq:
+            return (True,) * self.num_layers
+        return tuple(bool(v) for v in self.moe_layer_freq)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -265,6 +320,12 @@ class ParallelSpec:
     use_distributed_optimizer: bool = True
     microbatch_group_size_per_vp_stage: int | None = None
     """Megatron's interleaving group; pipeline_model_parallel_size when None."""
+    expert_model_parallel_size: int = 1
+    """EP: the ranks a MoE layer's experts are spread over (each holds num_moe_experts / EP)."""
+    expert_tensor_parallel_size: int = 0
+    """ETP: each expert split this many ways; 0 means tensor_model_parallel_size (Megatron's default)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """alltoall (all-to-all over EP) or allgather (all-gather over ETP x EP)."""
     tp_comm_overlap: bool = False
     """Megatron's ``--tp-comm-overlap``: Transformer Engine pipelines the TP all-gather and reduce-scatter with
     the GEMMs (userbuffers; needs sequence parallelism)."""
@@ -281,6 +342,15 @@ class ParallelSpec:
             * self.data_parallel_size
         )
 
+    @property
+    def expert_tp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """EDP = world / (ETP x EP x PP): megatron-core's expert grid, over which expert optimizer state shards."""
+        return self.world_size // (self.expert_tp * self.expert_model_parallel_size * self.pipeline_model_parallel_size)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSpec:
@@ -295,6 +365,9 @@ class TrainSpec:
     """With fp8: delayed, tensorwise, mxfp8 or blockwise (Megatron's ``--fp8-recipe``); empty otherwise."""
     fp8_param_gather: bool = False
     """With fp8: keep the GEMM weights in FP8 and all-gather them so (``--fp8-param-gather``)."""
+    moe_load_imbalance: float = 1.0
+    """The stated routing assumption: the busiest expert-parallel rank receives this many times the mean
+    tokens (1.0 = balanced, as aux-loss-free or forced balancing aims for)."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         """Megatron's count: global_batch_size / (micro_batch_size * data_parallel_size)."""
@@ -320,13 +393,15 @@ class LayerCost:
     """Activation bytes kept per in-flight microbatch."""
     param_count: float = 0.0
     """Parameters of this unit per GPU (after TP sharding), for the ``parameters`` split."""
+    expert_param_count: float = 0.0
+    """The routed experts' share of param_count (sharded by EP x ETP, synced over expert DP)."""
     parts: tuple[float, ...] = ()
     """fwd_ms + bwd_ms split into :data:`TIME_PARTS` (cost model); empty for a measured profile."""
 
 
 _LAYER_NUMBERS = ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes")
 
-TIME_PARTS = ("gemm", "attention", "memory_bound", "fp8_cast", "tp_comm", "cp_comm", "recompute")
+TIME_PARTS = ("gemm", "attention", "memory_bound", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute")
 """What a unit's forward + backward time is made of (``LayerCost.parts``), in this order."""
 
 

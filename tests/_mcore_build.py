@@ -91,13 +91,27 @@ def spawn_ranks(fn: Callable[..., Any], *, world_size: int, args: Sequence[Any] 
     return [collected[rank] for rank in range(world_size)]
 
 
-def init_parallel(*, pipeline_model_parallel_size: int, virtual_pipeline_model_parallel_size: int | None = None):
-    """megatron-core process groups plus the CPU-safe RNG tracker the model init needs."""
+def init_parallel(
+    *,
+    pipeline_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+):
+    """megatron-core process groups plus the CPU-safe RNG tracker the model init needs.
+
+    The expert sizes default to no expert parallelism; data parallelism is whatever
+    ``world_size`` leaves over (megatron-core's order tp-cp-ep-dp-pp).
+    """
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
@@ -172,11 +186,19 @@ def describe_chunks(chunks: list) -> dict:
 
 
 def _cpu_factory_mode():
-    """A TorchFunctionMode that turns ``device="cuda"`` factory kwargs into cpu (schedules.py allocates on cuda)."""
+    """A TorchFunctionMode that turns ``device="cuda"`` factory kwargs into cpu (schedules.py allocates on cuda).
+
+    ``Tensor.cuda()`` returns the tensor itself: with MTP, megatron-core's
+    ``setup_embeddings_and_output_layer`` moves the embedding copy with ``.cuda()``
+    before all-reducing it, which fails with "Torch not compiled with CUDA enabled".
+    """
+    import torch
     from torch.overrides import TorchFunctionMode
 
     class CpuFactories(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.cuda:
+                return args[0]
             kwargs = dict(kwargs or {})
             if "cuda" in str(kwargs.get("device", "")):
                 kwargs["device"] = "cpu"

@@ -293,7 +293,9 @@ def test_as_dict_is_json_ready():
         ("Et*4|t*4L", 4, 1, "needs 4"),
         ("t*4|Et*4L", 2, 1, "start with exactly one embedding"),
         ("Et*4L|t*4", 2, 1, "end with exactly one loss"),
-        ("Et*4|mtL", 2, 1, "after an MTP layer"),
+        ("Et*4|mtL", 2, 1, "follows an MTP layer"),
+        ("Et*4|t*2m|m|L", 2, 2, "split over stages"),
+        ("Et*4|t*4|m|L", 2, 2, "first pipeline rank"),
         ("Et*4|t*4L", 1, 2, "needs pipeline_model_parallel_size > 1"),
     ],
 )

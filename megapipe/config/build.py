@@ -80,6 +80,8 @@ _SEARCH_PLACEHOLDER = {
     "micro_batch_size": 1,
     "recompute_granularity": "none",
     "schedule": ScheduleName.one_f_one_b,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": 1,
 }
 """What stands in for a searched dimension while the given ones are validated (never planned with)."""
 
@@ -139,7 +141,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "
 
 def _model_spec(node: DictConfig, *, train_seq_length) -> tuple[ModelSpec, str]:
     """The model record, and where the training sequence length comes from (train.seq_length or its default)."""
-    fields = {key: node[key] for key in node if key != "config_path"}
+    fields = {key: node[key] for key in node if key not in ("config_path", "source")}
     path = node.get("config_path")
     if not path and node.get("name") == "hf":
         raise ConfigError("model=hf needs model.config_path=/path/to/config.json (a local Hugging Face config)")
@@ -165,8 +167,14 @@ def _model_spec(node: DictConfig, *, train_seq_length) -> tuple[ModelSpec, str]:
     missing = [key for key in required if fields.get(key) is None]
     if missing:
         raise ConfigError(f"model={fields.get('name')!r} lacks {', '.join('model.' + k for k in missing)}; set them")
-    if fields.get("num_query_groups") is None:
-        fields["num_query_groups"] = fields["num_attention_heads"]
+    if fields.get("num_query_groups") is None or fields.get("multi_latent_attention"):
+        fields["num_query_groups"] = fields["num_attention_heads"]  # MLA has no query groups
+    freq = fields.pop("moe_layer_freq", 1)
+    if isinstance(freq, ListConfig):
+        freq = OmegaConf.to_container(freq)
+    if fields.get("num_moe_experts"):
+        positive_int("model.num_layers", fields["num_layers"], upper=MAX_LAYERS)
+        fields["moe_layer_freq"] = _moe_layer_pattern(freq, int(fields["num_layers"]), fields.get("name"))
     spec = ModelSpec(
         **{**fields, "activation": Activation(_enum_value(fields["activation"])),
            "attention_backend": AttentionBackend(_enum_value(fields["attention_backend"]))}
@@ -254,6 +262,30 @@ def _fp8_fields(cfg: DictConfig, precision: str, cluster: ClusterSpec, parallel:
     return {"fp8_recipe": "" if recipe is None else str(recipe), "fp8_param_gather": bool(gather)}
 
 
+def _imbalance(value) -> float:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and 1.0 <= value <= 64.0):
+        raise ConfigError(f"train.moe_load_imbalance={value!r} must lie in [1, 64] (the busiest expert-parallel rank's "
+                          "tokens over the mean; 1 = balanced)")
+    return float(value)
+
+
+def _moe_layer_pattern(freq, num_layers: int, name) -> tuple[int, ...]:
+    """Megatron's ``--moe-layer-freq``: an int N puts MoE on layer i when i % N == 0 (so N=2 means even layers,
+    unlike Hugging Face's interleave step), a list gives 0/1 per layer."""
+    if isinstance(freq, bool) or freq is None:
+        raise ConfigError(f"model.moe_layer_freq={freq!r} must be an int N or a 0/1 list of num_layers entries")
+    if isinstance(freq, int):
+        if not 1 <= freq <= num_layers:
+            raise ConfigError(f"model.moe_layer_freq={freq} must lie in [1, num_layers={num_layers}]; "
+                              "or give a 0/1 list per layer")
+        return tuple(1 if i % freq == 0 else 0 for i in range(num_layers))
+    values = list(freq)
+    if len(values) != num_layers or any(v not in (0, 1) or isinstance(v, bool) for v in values):
+        raise ConfigError(f"model {name!r}: model.moe_layer_freq must list num_layers={num_layers} entries of 0 "
+                          f"(dense) or 1 (MoE); it has {len(values)}")
+    return tuple(values)
+
+
 def _check_run_size(cfg: DictConfig) -> None:
     if cfg.train.num_microbatches is not None:
         positive_int("train.num_microbatches", cfg.train.num_microbatches, upper=1 << 20)
@@ -296,6 +328,37 @@ def _fill(given: Mapping[str, object], cluster: ClusterSpec, fill: Mapping[str, 
     return values
 
 
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def _dispatcher(value) -> str:
+    name = str(value)
+    if name not in DISPATCHERS:
+        raise ConfigError(f"parallel.moe_token_dispatcher_type={name!r} is not modelled; use alltoall or allgather "
+                          "(flex needs DeepEP, whose kernels megapipe does not cost)")
+    return name
+
+
+def _expert_sizes(model: ModelSpec, values: Mapping, *, tp: int, stage: int, cluster: ClusterSpec,
+                  search: bool) -> tuple[int, int]:
+    """(EP, ETP): the given sizes, else Megatron's ETP = TP and the largest EP that divides the experts and
+    folds into the stage's TP x CP x DP GPUs inside one NVLink domain (1 for dense models)."""
+    ep, etp = values.get("expert_model_parallel_size"), values.get("expert_tensor_parallel_size")
+    if not model.is_moe:
+        if ep not in (None, 1) or etp not in (None, 0, 1, tp):
+            raise ConfigError(f"parallel.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} need a "
+                              "mixture-of-experts model (model.num_moe_experts > 0); leave them null")
+        return 1, 0
+    etp = tp if etp is None else positive_int("parallel.expert_tensor_parallel_size", etp, upper=cluster.num_gpus)
+    if ep is None:
+        if search:
+            return 1, etp
+        fits = [d for d in range(1, model.num_moe_experts + 1)
+                if model.num_moe_experts % d == 0 and stage % (d * etp) == 0 and d * etp <= cluster.domain_gpus]
+        ep = max(fits, default=1)
+    return positive_int("parallel.expert_model_parallel_size", ep, upper=cluster.num_gpus), etp
+
+
 def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object] | None = None) -> Setup:
     """Validate the composed config and turn it into records.
 
@@ -326,9 +389,13 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
             f"{cluster.num_gpus} GPUs are not divisible by TP*PP*CP={tp}*{pp}*{cp}; "
             "change the parallel sizes or cluster.num_nodes"
         )
+    dp = cluster.num_gpus // (tp * pp * cp)
+    ep, etp = _expert_sizes(model, values, tp=tp, stage=tp * cp * dp, cluster=cluster, search=search)
     parallel = ParallelSpec(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
-        context_parallel_size=cp, data_parallel_size=cluster.num_gpus // (tp * pp * cp),
+        context_parallel_size=cp, data_parallel_size=dp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        moe_token_dispatcher_type=_dispatcher(cfg.parallel.get("moe_token_dispatcher_type", "alltoall")),
         sequence_parallel=bool(values["sequence_parallel"]),
         use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
         microbatch_group_size_per_vp_stage=group,
@@ -344,6 +411,7 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
         recompute_granularity=Recompute(_enum_value(values["recompute_granularity"])),
         precision=_precision(cfg.train.precision),
         **_fp8_fields(cfg, _precision(cfg.train.precision), cluster, parallel),
+        moe_load_imbalance=_imbalance(cfg.train.get("moe_load_imbalance", 1.0)),
     )
     for index, group in enumerate(cluster.node_groups):
         check_precision(train, group.gpu, where=f"cluster.node_groups[{index}].gpu" if cluster.is_heterogeneous

@@ -7,8 +7,23 @@ No network access: only the file given is read.
 
 ``max_position_embeddings`` is the longest context the model supports, not a training
 sequence length, so it fills ``max_position_embeddings`` only; the training length comes
-from ``train.seq_length``. Mixture-of-experts configs are refused until megapipe plans them:
-as dense models they would be costed as a fraction of their real size.
+from ``train.seq_length``.
+
+Mixture-of-experts families, with Megatron-Bridge's HF-to-Megatron mapping
+(``megatron/bridge/models/conversion`` and each family's bridge):
+
+- DeepSeek-V3 (``deepseek_v3``): n_routed_experts, num_experts_per_tok, moe_intermediate_size,
+  n_shared_experts x moe_intermediate_size shared, the first ``first_k_dense_replace`` layers
+  dense, sigmoid routing with the expert bias (``noaux_tc``), n_group / topk_group,
+  routed_scaling_factor; MLA (q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+  v_head_dim) with latent norms; num_nextn_predict_layers MTP blocks;
+- Qwen3-MoE (``qwen3_moe``): num_experts, moe_intermediate_size, decoder_sparse_step and
+  mlp_only_layers for the dense layers, query/key norms, pre-softmax when not norm_topk_prob;
+- Mixtral (``mixtral``) and GPT-OSS (``gpt_oss``): num_local_experts of intermediate_size each;
+  GPT-OSS with biases on every linear layer;
+- Llama 4 (``llama4``, fields under ``text_config``): num_local_experts of intermediate_size plus
+  one shared expert of the same width, intermediate_size_mlp for dense layers, MoE on every
+  ``interleave_moe_layer_step``-th layer, sigmoid routing.
 """
 
 from __future__ import annotations
@@ -21,8 +36,7 @@ from megapipe.errors import ConfigError
 
 __all__ = ["read_hf_config"]
 
-_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts", "num_experts_per_tok",
-                "moe_intermediate_size")
+_EXPERT_COUNT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
 
 
 def _first(data: Mapping, *keys: str):
@@ -45,11 +59,6 @@ def read_hf_config(path: str) -> dict:
         raise ConfigError(f"model.config_path={path!r} does not hold a JSON object")
     if "text_config" in data and isinstance(data["text_config"], Mapping):
         data = {**data, **data["text_config"]}
-    experts = [key for key in _EXPERT_KEYS if data.get(key)]
-    if experts:
-        raise ConfigError(
-            f"model.config_path={path!r} is a mixture-of-experts model ({experts[0]}={data[experts[0]]}); megapipe "
-            "does not plan expert parallelism yet and would cost it as a dense model: plan a dense model")
     gpt2_style = "n_layer" in data
     hidden = _first(data, "hidden_size", "n_embd", "d_model")
     heads = _first(data, "num_attention_heads", "n_head")
@@ -73,4 +82,69 @@ def read_hf_config(path: str) -> dict:
     missing = [key for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") if not fields[key]]
     if missing:
         raise ConfigError(f"model.config_path={path!r} lacks {', '.join(missing)}; is it a decoder-only LM config.json?")
+    if str(data.get("model_type", "")).startswith("qwen3"):
+        fields["qk_layernorm"] = True
+    if data.get("q_lora_rank") is not None or data.get("kv_lora_rank") is not None:
+        fields.update(_mla_fields(data))
+    if data.get("num_nextn_predict_layers"):
+        fields["mtp_num_layers"] = int(data["num_nextn_predict_layers"])
+    if _first(data, *_EXPERT_COUNT_KEYS):
+        fields.update(_moe_fields(data, path, int(fields["num_layers"])))
     return {key: value for key, value in fields.items() if value is not None}
+
+
+def _mla_fields(data: Mapping) -> dict:
+    return {"multi_latent_attention": True, "q_lora_rank": data.get("q_lora_rank"),
+            "kv_lora_rank": data.get("kv_lora_rank"), "qk_head_dim": data.get("qk_nope_head_dim"),
+            "qk_pos_emb_head_dim": data.get("qk_rope_head_dim"), "v_head_dim": data.get("v_head_dim"),
+            "qk_layernorm": True, "kv_channels": data.get("v_head_dim")}
+
+
+def _moe_pattern(data: Mapping, num_layers: int) -> list[int]:
+    """Which layers are MoE, in each family's own convention, as Megatron's 0/1 list."""
+    if data.get("first_k_dense_replace") is not None:  # DeepSeek
+        dense = int(data["first_k_dense_replace"])
+        step = int(data.get("moe_layer_freq") or 1)
+        return [1 if i >= dense and i % step == 0 else 0 for i in range(num_layers)]
+    if data.get("decoder_sparse_step") is not None or data.get("mlp_only_layers"):  # Qwen2/3-MoE
+        step, dense = int(data.get("decoder_sparse_step") or 1), set(data.get("mlp_only_layers") or ())
+        return [1 if i not in dense and (i + 1) % step == 0 else 0 for i in range(num_layers)]
+    if data.get("interleave_moe_layer_step") is not None:  # Llama 4
+        step = int(data["interleave_moe_layer_step"])
+        return [1 if (i + 1) % step == 0 else 0 for i in range(num_layers)]
+    return [1] * num_layers
+
+
+def _moe_fields(data: Mapping, path: str, num_layers: int) -> dict:
+    experts = int(_first(data, *_EXPERT_COUNT_KEYS))
+    topk = _first(data, "num_experts_per_tok", "experts_per_token", "moe_topk")
+    if topk is None:
+        raise ConfigError(f"model.config_path={path!r} has {experts} experts but no num_experts_per_tok; "
+                          "set model.moe_router_topk")
+    model_type = str(data.get("model_type", ""))
+    expert_width = _first(data, "moe_intermediate_size") or data.get("intermediate_size")
+    fields: dict = {"num_moe_experts": experts, "moe_router_topk": int(topk), "moe_ffn_hidden_size": expert_width,
+                    "moe_layer_freq": _moe_pattern(data, num_layers)}
+    if data.get("n_shared_experts"):
+        fields["moe_shared_expert_intermediate_size"] = int(data["n_shared_experts"]) * int(expert_width)
+    elif data.get("shared_expert_intermediate_size"):
+        fields["moe_shared_expert_intermediate_size"] = int(data["shared_expert_intermediate_size"])
+    if model_type.startswith("llama4"):
+        fields["moe_shared_expert_intermediate_size"] = int(data["intermediate_size"])
+        fields["ffn_hidden_size"] = data.get("intermediate_size_mlp") or data["intermediate_size"]
+    if str(data.get("scoring_func", "")) == "sigmoid" or model_type.startswith("llama4"):
+        fields["moe_router_score_function"] = "sigmoid"
+    if data.get("topk_method") == "noaux_tc":
+        fields.update(moe_router_enable_expert_bias=True, moe_router_load_balancing_type="seq_aux_loss")
+    if data.get("n_group"):
+        fields.update(moe_router_num_groups=int(data["n_group"]), moe_router_group_topk=data.get("topk_group"))
+    if data.get("routed_scaling_factor") not in (None, 1, 1.0):
+        fields["moe_router_topk_scaling_factor"] = float(data["routed_scaling_factor"])
+    if "norm_topk_prob" in data and fields.get("moe_router_score_function", "softmax") == "softmax":
+        fields["moe_router_pre_softmax"] = not bool(data["norm_topk_prob"])
+    coeff = _first(data, "router_aux_loss_coef", "aux_loss_alpha")
+    if coeff is not None:
+        fields["moe_aux_loss_coeff"] = float(coeff)
+    if model_type == "gpt_oss":
+        fields.update(add_bias_linear=True, moe_router_load_balancing_type="none")
+    return fields

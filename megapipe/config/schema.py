@@ -73,6 +73,40 @@ class ModelConfig:
     rotary_base: float = 10000.0
     """RoPE theta (Megatron --rotary-base)."""
     norm_epsilon: float = 1e-5
+    qk_layernorm: bool = False
+    """Per-head query/key norms (Qwen3); with MLA the q and kv latent norms."""
+    add_bias_linear: Optional[bool] = None
+    """Biases on every linear layer; null follows the activation (gelu: yes; swiglu, squared_relu: no)."""
+    # mixture of experts (megatron-core TransformerConfig names; Megatron-LM flags in the comments)
+    num_moe_experts: int = 0
+    """Routed experts per MoE layer (--num-experts); 0 is a dense model."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """One routed expert's FFN width; null means ffn_hidden_size."""
+    moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int = 0
+    """All shared experts of a layer together (n_shared x width); 0 means none."""
+    moe_layer_freq: Any = 1
+    """Megatron's --moe-layer-freq: an int N (layer i is MoE when i % N == 0) or a 0/1 list per layer."""
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    # multi-latent attention (DeepSeek-V2/V3)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    """Query latent width; null projects queries directly."""
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    """Per-head query/key width without RoPE (HF qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head RoPE width (HF qk_rope_head_dim)."""
+    v_head_dim: int = 128
+    source: str = ""
+    """Where the values come from (the model's config.json, paper or recipe)."""
     config_path: Optional[str] = None
     """A Hugging Face config.json read from disk (model=hf); its values fill the null fields."""
 
@@ -170,6 +204,12 @@ class ParallelConfig:
     """Megatron's --tp-comm-overlap (Transformer Engine userbuffers; needs sequence parallelism)."""
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    expert_model_parallel_size: Optional[int] = None
+    """EP (MoE models): experts spread over this many ranks; null is searched (1 for dense models)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """ETP: each expert split this many ways; null is searched for MoE models (TP elsewhere, Megatron's default)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """alltoall or allgather (Megatron's --moe-token-dispatcher-type; flex needs DeepEP and is not modelled)."""
 
 
 @dataclass
@@ -192,6 +232,9 @@ class TrainConfig:
     """Derived as global_batch_size / (micro_batch_size * data-parallel size); set it only to simulate directly."""
     total_tokens: float = 2.0e12
     """Tokens of the whole training run, for the cost estimate."""
+    moe_load_imbalance: float = 1.0
+    """MoE routing assumption: the busiest expert-parallel rank gets this many times the mean tokens
+    (1.0 = balanced, what aux-loss-free or forced balancing aims for)."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ from megapipe.errors import ConfigError
 from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec
 
 __all__ = ["MAX_LAYERS", "MAX_GPUS", "MAX_SEQ_LENGTH", "check_known_keys", "check_model", "check_gpu",
-           "check_link", "check_cluster", "positive_int", "check_fraction_pair"]
+           "check_link", "check_cluster", "positive_int", "check_fraction_pair", "check_experts"]
 
 MAX_LAYERS = 4096
 """More decoder layers than any published model by 10x; the partition solver's tables grow with it."""
@@ -111,6 +111,54 @@ def check_model(model: ModelSpec) -> None:
             f"model.num_query_groups={model.num_query_groups} must divide "
             f"num_attention_heads={model.num_attention_heads}"
         )
+    if model.mtp_num_layers and model.position_embedding_type == "learned_absolute":
+        raise ConfigError("model.mtp_num_layers needs position_embedding_type rope or none (Megatron-LM's "
+                          "validate_args refuses learned_absolute with MTP)")
+    if model.multi_latent_attention:
+        for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            positive_int(f"model.{key}", getattr(model, key), upper=1 << 20)
+        if model.q_lora_rank is not None:
+            positive_int("model.q_lora_rank", model.q_lora_rank, upper=1 << 20)
+    if model.num_moe_experts:
+        check_experts(model)
+
+
+ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+def check_experts(model: ModelSpec) -> None:
+    """The MoE fields, with the rules megatron-core 0.16's TransformerConfig enforces."""
+    experts = positive_int("model.num_moe_experts", model.num_moe_experts, upper=1 << 16)
+    topk = model.moe_router_topk
+    if not (isinstance(topk, int) and 1 <= topk <= experts):
+        raise ConfigError(f"model.moe_router_topk={topk!r} must lie in [1, num_moe_experts={experts}]")
+    positive_int("model.moe_ffn_hidden_size", model.expert_ffn_hidden_size, upper=1 << 30)
+    if model.moe_shared_expert_intermediate_size < 0:
+        raise ConfigError(f"model.moe_shared_expert_intermediate_size={model.moe_shared_expert_intermediate_size} "
+                          "must be >= 0 (0: no shared experts)")
+    if model.moe_router_score_function not in ROUTER_SCORE_FUNCTIONS:
+        raise ConfigError(f"model.moe_router_score_function={model.moe_router_score_function!r}; use softmax or sigmoid")
+    if model.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
+        raise ConfigError(f"model.moe_router_load_balancing_type={model.moe_router_load_balancing_type!r}; use one "
+                          f"of {', '.join(LOAD_BALANCING_TYPES)}")
+    if model.moe_router_enable_expert_bias and model.moe_router_score_function != "sigmoid":
+        raise ConfigError("model.moe_router_enable_expert_bias=true needs moe_router_score_function=sigmoid "
+                          "(megatron-core refuses it with softmax)")
+    if topk == 1 and model.moe_router_score_function == "softmax" and not model.moe_router_pre_softmax:
+        raise ConfigError("model.moe_router_topk=1 with softmax needs moe_router_pre_softmax=true "
+                          "(megatron-core refuses it otherwise: the weight would always be 1)")
+    groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
+    if groups is not None:
+        positive_int("model.moe_router_num_groups", groups, upper=experts)
+        if experts % groups:
+            raise ConfigError(f"model.moe_router_num_groups={groups} must divide num_moe_experts={experts}")
+        if group_topk is None or not 1 <= group_topk <= groups:
+            raise ConfigError(f"model.moe_router_group_topk={group_topk!r} must lie in [1, moe_router_num_groups="
+                              f"{groups}] with group-limited routing")
+    if len(model.moe_layer_freq) not in (0, model.num_layers):
+        raise ConfigError(f"model.moe_layer_freq has {len(model.moe_layer_freq)} entries for num_layers="
+                          f"{model.num_layers}; give one 0/1 per layer")
 
 
 def _non_negative(key: str, value) -> None:

@@ -11,6 +11,11 @@ runtime's in-training scale. The latency term depends on the algorithm:
   ring, which large collectives use inside an NVSwitch node too; with a per-step latency of a few
   microseconds it reproduces nccl-tests' bus-bandwidth ramp from 1 MiB to 1 GiB;
 - ``direct``: one ``latency_us`` per collective, for single-shot small collectives (NVLS one-shot).
+
+All-to-all (the MoE token dispatch over expert parallelism, :func:`all_to_all_ms`): every GPU sends
+``1/n`` of its buffer to each of the ``n - 1`` others at once (NCCL's grouped send/receive), so the
+peers inside its NVLink domain take their share at the NVLink rate while those outside share its NIC;
+the slower of the two sets the time, plus one latency of the slowest link.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import enum
 
 from megapipe.records import ClusterSpec, LinkSpec
 
-__all__ = ["Collective", "Algorithm", "collective_ms", "p2p_ms", "group_link", "p2p_link", "tensor_parallel_link"]
+__all__ = ["Collective", "Algorithm", "collective_ms", "all_to_all_ms", "domain_members", "p2p_ms", "group_link",
+           "p2p_link", "tensor_parallel_link"]
 
 
 class Collective(str, enum.Enum):
@@ -48,6 +54,28 @@ def collective_ms(*, kind: Collective, num_bytes: float, group_size: int, link: 
     moved = passes * (group_size - 1) / group_size * num_bytes
     steps = passes * (group_size - 1) if algorithm == Algorithm.ring else 1
     return moved / _bytes_per_ms(link, efficiency_scale) + steps * link.latency_us * 1e-3
+
+
+def domain_members(*, cluster: ClusterSpec, group_size: int, stride: int = 1) -> int:
+    """Members of a group (ranks ``stride`` apart) that share one NVLink domain with a given member."""
+    if group_size * stride <= cluster.domain_gpus:
+        return group_size
+    return max(1, min(group_size, cluster.domain_gpus // stride))
+
+
+def all_to_all_ms(*, num_bytes: float, group_size: int, cluster: ClusterSpec, stride: int = 1,
+                  efficiency_scale: float = 1.0) -> float:
+    """One all-to-all in which every GPU of the group sends ``num_bytes`` in all (``1/n`` to each member,
+    its own share staying local); 0 for one GPU."""
+    if group_size <= 1 or num_bytes <= 0:
+        return 0.0
+    local = domain_members(cluster=cluster, group_size=group_size, stride=stride)
+    share = num_bytes / group_size
+    intra = (local - 1) * share / _bytes_per_ms(cluster.intra_node, efficiency_scale)
+    remote = group_size - local
+    inter = remote * share / _bytes_per_ms(cluster.inter_node, efficiency_scale) if remote else 0.0
+    latency = (cluster.inter_node if remote else cluster.intra_node).latency_us * 1e-3
+    return max(intra, inter) + latency
 
 
 def p2p_ms(*, num_bytes: float, link: LinkSpec, efficiency_scale: float = 1.0) -> float:

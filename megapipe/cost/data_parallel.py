@@ -19,6 +19,10 @@ bucket by bucket under the next step's first forward. Exposed time per rank:
 
 and the whole of each collective without the overlap flags.
 
+Routed-expert parameters have their own buffers and optimizer, reduced and sharded over the expert
+data-parallel group (EDP = world / (ETP x EP x PP); megatron-core ``DistributedDataParallel``'s
+``expert_parallel_buffers``), after the dense ones.
+
 Bandwidth: Megatron orders ranks tp-cp-dp-pp, so a DP x CP group spans ``tp * cp * dp``
 consecutive GPUs, ``tp`` apart; it stays on the intra-node link inside one NVLink domain, and
 across domains runs at its members' NICs together (:func:`megapipe.cost.comm.group_link`).
@@ -40,6 +44,7 @@ __all__ = [
     "param_gather_bytes_per_param",
     "bucket_params",
     "dp_link",
+    "expert_dp_link",
     "dp_sync_ms",
     "optimizer_step_ms",
     "OPTIMIZER_BYTES_PER_SHARD_PARAM",
@@ -76,43 +81,66 @@ def dp_link(*, cluster: ClusterSpec, parallel: ParallelSpec) -> LinkSpec:
                       stride=stride)
 
 
+def expert_dp_link(*, cluster: ClusterSpec, parallel: ParallelSpec) -> LinkSpec:
+    """The expert data-parallel group: megatron-core's expert grid orders ranks etp-ep-edp-pp, so its
+    members are ETP x EP apart over a pipeline stage's GPUs."""
+    stride = parallel.expert_tp * parallel.expert_model_parallel_size
+    return group_link(cluster=cluster, span=stride * parallel.expert_data_parallel_size, stride=stride)
+
+
 def _overlapped(total_ms: float, bucket_ms: float, window_ms: float, overlap: bool) -> float:
     if not overlap:
         return total_ms
     return max(min(bucket_ms, total_ms), total_ms - window_ms)
 
 
-def dp_sync_ms(*, params_per_gpu: float, train: TrainSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-               backward_ms: float, forward_ms: float) -> float:
-    """Exposed DP time of one rank, ms; ``backward_ms``/``forward_ms`` are its per-microbatch times."""
-    group = parallel.data_parallel_size * parallel.context_parallel_size
-    if group <= 1 or params_per_gpu <= 0:
+def _group_sync_ms(*, params: float, group: int, link: LinkSpec, train: TrainSpec, cluster: ClusterSpec,
+                   parallel: ParallelSpec, backward_ms: float, forward_ms: float) -> float:
+    if group <= 1 or params <= 0:
         return 0.0
-    link = dp_link(cluster=cluster, parallel=parallel)
     scale = cluster.runtime.comm_efficiency_scale
 
-    def ring(kind: Collective, params: float, element_bytes: float) -> float:
-        return collective_ms(kind=kind, num_bytes=params * element_bytes, group_size=group, link=link,
+    def ring(kind: Collective, count: float, element_bytes: float) -> float:
+        return collective_ms(kind=kind, num_bytes=count * element_bytes, group_size=group, link=link,
                              algorithm=Algorithm.ring, efficiency_scale=scale)
 
     grad_bytes = grad_bytes_per_param(train.precision)
-    bucket = min(params_per_gpu, bucket_params(parallel))
+    bucket = min(params, max(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_RANK * group))
     if not parallel.use_distributed_optimizer:
-        reduce = ring(Collective.all_reduce, params_per_gpu, grad_bytes)
+        reduce = ring(Collective.all_reduce, params, grad_bytes)
         return _overlapped(reduce, ring(Collective.all_reduce, bucket, grad_bytes), backward_ms,
                            parallel.overlap_grad_reduce)
-    reduce = _overlapped(ring(Collective.reduce_scatter, params_per_gpu, grad_bytes),
+    reduce = _overlapped(ring(Collective.reduce_scatter, params, grad_bytes),
                          ring(Collective.reduce_scatter, bucket, grad_bytes), backward_ms, parallel.overlap_grad_reduce)
     gather_bytes = param_gather_bytes_per_param(train)
-    gather = _overlapped(ring(Collective.all_gather, params_per_gpu, gather_bytes),
+    gather = _overlapped(ring(Collective.all_gather, params, gather_bytes),
                          ring(Collective.all_gather, bucket, gather_bytes), forward_ms, parallel.overlap_param_gather)
     return reduce + gather
 
 
-def optimizer_step_ms(*, params_per_gpu: float, gpu: GpuSpec, parallel: ParallelSpec) -> float:
+def dp_sync_ms(*, params_per_gpu: float, train: TrainSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+               backward_ms: float, forward_ms: float, expert_params_per_gpu: float = 0.0) -> float:
+    """Exposed DP time of one rank, ms; ``backward_ms``/``forward_ms`` are its per-microbatch times.
+
+    ``params_per_gpu`` includes the routed experts' ``expert_params_per_gpu``, which megatron-core keeps in
+    their own buffers and reduces over the expert data-parallel group (EDP) after the dense ones.
+    """
+    common = dict(train=train, cluster=cluster, parallel=parallel, backward_ms=backward_ms, forward_ms=forward_ms)
+    dense = _group_sync_ms(params=params_per_gpu - expert_params_per_gpu,
+                           group=parallel.data_parallel_size * parallel.context_parallel_size,
+                           link=dp_link(cluster=cluster, parallel=parallel), **common)
+    if expert_params_per_gpu <= 0:
+        return dense
+    return dense + _group_sync_ms(params=expert_params_per_gpu, group=parallel.expert_data_parallel_size,
+                                  link=expert_dp_link(cluster=cluster, parallel=parallel), **common)
+
+
+def optimizer_step_ms(*, params_per_gpu: float, gpu: GpuSpec, parallel: ParallelSpec,
+                      expert_params_per_gpu: float = 0.0) -> float:
     """Memory-bound distributed Adam over the rank's shard, and zeroing its gradient buffer, ms."""
-    share = params_per_gpu
+    dense, expert = params_per_gpu - expert_params_per_gpu, expert_params_per_gpu
     if parallel.use_distributed_optimizer:
-        share /= parallel.data_parallel_size * parallel.context_parallel_size
-    num_bytes = share * OPTIMIZER_BYTES_PER_SHARD_PARAM + params_per_gpu * _ZERO_GRAD_BYTES
+        dense /= parallel.data_parallel_size * parallel.context_parallel_size
+        expert /= parallel.expert_data_parallel_size
+    num_bytes = (dense + expert) * OPTIMIZER_BYTES_PER_SHARD_PARAM + params_per_gpu * _ZERO_GRAD_BYTES
     return 1e3 * num_bytes / (gpu.hbm_gbytes_per_s * 1e9 * gpu.bandwidth_efficiency)

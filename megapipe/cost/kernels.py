@@ -63,14 +63,14 @@ def _waves_utilization(blocks: int, num_sms: int) -> float:
     return blocks / (math.ceil(blocks / num_sms) * num_sms)
 
 
-def _tile_utilization(m: int, n: int, num_sms: int) -> float:
+def _tile_utilization(m: int, n: int, num_sms: int, groups: int = 1) -> float:
     if num_sms <= 0:
         return 1.0
     best = 0.0
     for tile_m, tile_n in _TILES:
         rows, cols = math.ceil(m / tile_m), math.ceil(n / tile_n)
         padded = (m * n) / (rows * tile_m * cols * tile_n)
-        best = max(best, padded * _waves_utilization(rows * cols, num_sms))
+        best = max(best, padded * _waves_utilization(groups * rows * cols, num_sms))
     return best
 
 
@@ -85,13 +85,18 @@ def memory_ms(*, num_bytes: float, gpu: GpuSpec, kernels: float = 0.0) -> float:
 
 
 def gemm_ms(*, m: float, n: float, k: float, dtype: str, gpu: GpuSpec, runtime: RuntimeSpec = RuntimeSpec(),
-            out_bytes: int = 2) -> float:
-    """One GEMM producing an ``m x n`` output over a reduction of ``k``; 0 when any side is 0."""
+            out_bytes: int = 2, groups: int = 1) -> float:
+    """One GEMM producing an ``m x n`` output over a reduction of ``k``; 0 when any side is 0.
+
+    With ``groups`` it is one grouped GEMM (the routed experts, CUTLASS/cuBLAS grouped GEMM) of that many
+    independent ``m x n`` products, each with its own weight: their tiles share the waves of one launch.
+    """
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     m, n = int(math.ceil(m)), int(math.ceil(n))
-    compute = 2.0 * m * n * k / (_gemm_rate(gpu, dtype, runtime) * _tile_utilization(m, n, gpu.num_sms))
-    traffic = _BYTES[dtype] * (m * k + k * n) + out_bytes * m * n
+    utilization = _tile_utilization(m, n, gpu.num_sms, groups)
+    compute = 2.0 * groups * m * n * k / (_gemm_rate(gpu, dtype, runtime) * utilization)
+    traffic = groups * (_BYTES[dtype] * (m * k + k * n) + out_bytes * m * n)
     memory = traffic / (gpu.bandwidth_efficiency * gpu.hbm_gbytes_per_s * 1e9)
     return max(compute, memory) * 1e3 + kernel_overhead_ms(gpu)
 

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapipe.cost.comm import Collective, collective_ms, p2p_link, p2p_ms, tensor_parallel_link
-from megapipe.cost.flops import Gemm, decoder_gemms, output_gemms
+from megapipe.cost.comm import Collective, all_to_all_ms, collective_ms, group_link, p2p_link, p2p_ms, tensor_parallel_link
+from megapipe.cost.flops import Gemm, decoder_gemms, eh_proj_gemm, output_gemms
 from megapipe.cost.kernels import attention_ms, gemm_ms, memory_ms
 from megapipe.cost.memory import (
     decoder_activation_bytes,
@@ -47,7 +47,14 @@ from megapipe.cost.memory import (
     mtp_activation_bytes,
     output_activation_bytes,
 )
-from megapipe.cost.params import decoder_params, embedding_params, mtp_params, output_params, unit_static_bytes
+from megapipe.cost.params import (
+    decoder_params,
+    embedding_params,
+    expert_params,
+    mtp_params,
+    output_params,
+    unit_static_bytes,
+)
 from megapipe.cost.shapes import Shapes, shapes_of
 from megapipe.cost.traffic import (
     attention_core_traffic_bytes,
@@ -73,7 +80,7 @@ from megapipe.records import (
     TrainSpec,
 )
 
-__all__ = ["layer_costs"]
+__all__ = ["layer_costs", "distinct_units", "unit_runs"]
 
 _CROSS_ENTROPY_ALL_REDUCES = 3
 """Max, target logit and sum of exp, each a [s, b] fp32 all-reduce (Megatron's vocab_parallel_cross_entropy)."""
@@ -106,10 +113,13 @@ class _Device:
     cp_link: LinkSpec
     runtime: RuntimeSpec
     tp_comm_overlap: bool
+    cluster: ClusterSpec
 
 
-def _gemm(m: float, n: float, k: float, shapes: Shapes, device: _Device, dtype: str | None = None) -> float:
-    return gemm_ms(m=m, n=n, k=k, dtype=dtype or shapes.gemm_dtype, gpu=device.gpu, runtime=device.runtime)
+def _gemm(m: float, n: float, k: float, shapes: Shapes, device: _Device, dtype: str | None = None,
+          groups: int = 1) -> float:
+    return gemm_ms(m=m, n=n, k=k, dtype=dtype or shapes.gemm_dtype, gpu=device.gpu, runtime=device.runtime,
+                   groups=groups)
 
 
 def _tp_ms(kind: Collective, shapes: Shapes, device: _Device, num_bytes: float | None = None) -> float:
@@ -128,26 +138,68 @@ def _exposed(comm_ms: float, under_ms: float, shapes: Shapes, device: _Device, *
 
 
 def _linear(gemm: Gemm, shapes: Shapes, device: _Device, *, dtype: str | None = None) -> _Timing:
-    """One linear layer: forward, dgrad and wgrad GEMMs and its exposed TP collectives."""
-    fwd = _gemm(gemm.tokens, gemm.n, gemm.k, shapes, device, dtype)
-    dgrad = _gemm(gemm.tokens, gemm.k, gemm.n, shapes, device, dtype)
-    wgrad = _gemm(gemm.k, gemm.n, gemm.tokens, shapes, device, dtype)
+    """One linear layer: forward, dgrad and wgrad GEMMs and its exposed TP collectives.
+
+    A grouped GEMM (the routed experts) runs ``groups`` products of the busiest rank's tokens per expert
+    (the stated load imbalance times the mean); the router stays in bf16 under FP8 training.
+    """
+    if not gemm.quantized and (dtype or shapes.gemm_dtype) == "fp8":
+        dtype = "bf16"
+    groups = gemm.groups
+    rows = gemm.tokens * (shapes.moe_load_imbalance if groups > 1 else 1.0) / groups
+    fwd = _gemm(rows, gemm.n, gemm.k, shapes, device, dtype, groups)
+    dgrad = _gemm(rows, gemm.k, gemm.n, shapes, device, dtype, groups)
+    wgrad = _gemm(gemm.k, gemm.n, rows, shapes, device, dtype, groups)
     timing = _part("gemm", fwd, dgrad + wgrad, wgrad)
-    if shapes.tensor_model_parallel_size == 1:
+    if shapes.tensor_model_parallel_size == 1 or not gemm.comm_width:
         return timing
     sp = shapes.sequence_parallel
+    size = shapes.element_bytes * gemm.tokens * gemm.comm_width
+    gather = _tp_ms(Collective.all_gather, shapes, device, size) if sp else 0.0
+    reduce = _tp_ms(Collective.reduce_scatter if sp else Collective.all_reduce, shapes, device, size)
     if gemm.column_parallel:
-        gather = _tp_ms(Collective.all_gather, shapes, device) if sp else 0.0
-        reduce = _tp_ms(Collective.reduce_scatter if sp else Collective.all_reduce, shapes, device)
         forward = _exposed(gather, fwd, shapes, device, hidden=False)
         backward = (_exposed(gather, dgrad, shapes, device, hidden=True)
                     + _exposed(reduce, wgrad, shapes, device, hidden=True))
     else:
-        reduce = _tp_ms(Collective.reduce_scatter if sp else Collective.all_reduce, shapes, device)
-        gather = _tp_ms(Collective.all_gather, shapes, device) if sp else 0.0
         forward = _exposed(reduce, fwd, shapes, device, hidden=False)
         backward = _exposed(gather, dgrad, shapes, device, hidden=False)
     return timing + _part("tp_comm", forward, backward)
+
+
+def _token_dispatch(shapes: Shapes, device: _Device) -> _Timing:
+    """A MoE layer's token movement, forward and backward, all exposed (megatron-core runs it between the
+    router and the experts; ``--moe-shared-expert-overlap`` and ``--overlap-moe-expert-parallel-comm`` are
+    not modelled).
+
+    alltoall (``MoEAlltoAllTokenDispatcher``): an all-to-all over EP of the ``topk`` copies of each
+    sequence-parallel token, then an all-gather over expert TP; the combine reverses both (a
+    reduce-scatter over ETP, an all-to-all back); the backward mirrors the four. allgather
+    (``MoEAllGatherTokenDispatcher``): the hidden states all-gathered over ETP x EP and reduce-scattered
+    back. The busiest rank receives the stated load imbalance times the mean.
+    """
+    e, h, imbalance = shapes.element_bytes, shapes.hidden_size, shapes.moe_load_imbalance
+    ep, etp = shapes.expert_model_parallel_size, shapes.expert_tensor_parallel_size
+    scale, cluster = device.runtime.comm_efficiency_scale, device.cluster
+    if shapes.allgather_dispatcher:
+        group = ep * etp
+        size = e * h * shapes.norm_tokens * group
+        link = group_link(cluster=cluster, span=group)
+        one = (collective_ms(kind=Collective.all_gather, num_bytes=size, group_size=group, link=link,
+                             efficiency_scale=scale)
+               + collective_ms(kind=Collective.reduce_scatter, num_bytes=size, group_size=group, link=link,
+                               efficiency_scale=scale))
+        return _part("ep_comm", one, one)
+    sent = e * h * shapes.norm_tokens * shapes.topk * imbalance
+    a2a = all_to_all_ms(num_bytes=sent, group_size=ep, cluster=cluster, stride=etp, efficiency_scale=scale)
+    gathered = e * h * shapes.expert_tokens * imbalance
+    link = group_link(cluster=cluster, span=etp)
+    expert_tp = (collective_ms(kind=Collective.all_gather, num_bytes=gathered, group_size=etp, link=link,
+                               efficiency_scale=scale)
+                 + collective_ms(kind=Collective.reduce_scatter, num_bytes=gathered, group_size=etp, link=link,
+                                 efficiency_scale=scale))
+    one = 2 * a2a + expert_tp
+    return _part("ep_comm", one, one)
 
 
 def _memory(name: str, forward_bytes: float, backward_bytes: float, kernels: tuple[int, int], device: _Device) -> _Timing:
@@ -158,6 +210,8 @@ def _memory(name: str, forward_bytes: float, backward_bytes: float, kernels: tup
 
 def _attention_core(shapes: Shapes, device: _Device) -> _Timing:
     heads = shapes.micro_batch_size * shapes.num_attention_heads / shapes.tensor_model_parallel_size
+    # Q K^T runs over the query-key width per head, P V over the value width (MLA's differ): their mean.
+    head_dim = (shapes.query_size + shapes.attention_out_size) / (2 * shapes.num_attention_heads)
     if shapes.unfused_attention:
         rows, s, d = heads * shapes.local_seq_length, shapes.seq_length, shapes.head_dim
         scores = _gemm(rows, s, d, shapes, device, "bf16")
@@ -167,7 +221,7 @@ def _attention_core(shapes: Shapes, device: _Device) -> _Timing:
                 + _memory("attention", traffic, 2 * traffic, (1, 1), device))
     cp = shapes.context_parallel_size
     common = dict(batch_heads=heads, q_len=shapes.local_seq_length, kv_len=shapes.seq_length,
-                  head_dim=shapes.head_dim, causal=True, gpu=device.gpu, runtime=device.runtime, calls=cp)
+                  head_dim=head_dim, causal=True, gpu=device.gpu, runtime=device.runtime, calls=cp)
     return _part("attention", attention_ms(backward=False, **common), attention_ms(backward=True, **common))
 
 
@@ -176,7 +230,7 @@ def _ring_exchange(shapes: Shapes, core: _Timing, device: _Device) -> _Timing:
     cp = shapes.context_parallel_size
     if cp == 1:
         return _Timing()
-    block = 2 * shapes.element_bytes * shapes.tokens * shapes.kv_size / shapes.tensor_model_parallel_size
+    block = shapes.element_bytes * shapes.tokens * (shapes.kv_size + shapes.value_size) / shapes.tensor_model_parallel_size
     send = p2p_ms(num_bytes=block, link=device.cp_link, efficiency_scale=device.runtime.comm_efficiency_scale)
     forward = (cp - 1) * max(0.0, send - core.fwd_ms / cp)
     backward = (cp - 1) * max(0.0, 2 * send - core.bwd_ms / cp)
@@ -191,14 +245,17 @@ def _recompute(timing: _Timing, core: _Timing, shapes: Shapes) -> _Timing:
     return timing
 
 
-def _decoder_timing(shapes: Shapes, device: _Device) -> _Timing:
+def _decoder_timing(shapes: Shapes, device: _Device, *, moe: bool = False) -> _Timing:
     core = _attention_core(shapes, device)
     timing = core + _ring_exchange(shapes, core, device)
-    for gemm in decoder_gemms(shapes):
+    for gemm in decoder_gemms(shapes, moe=moe):
         timing = timing + _linear(gemm, shapes, device)
-    traffic = decoder_traffic_bytes(shapes)
-    timing = timing + _memory("memory_bound", traffic, 2 * traffic, decoder_kernels(shapes), device)
-    timing = timing + _memory("fp8_cast", *fp8_cast_traffic_bytes(shapes), fp8_cast_kernels(shapes), device)
+    traffic = decoder_traffic_bytes(shapes, moe=moe)
+    timing = timing + _memory("memory_bound", traffic, 2 * traffic, decoder_kernels(shapes, moe=moe), device)
+    timing = timing + _memory("fp8_cast", *fp8_cast_traffic_bytes(shapes, moe=moe),
+                              fp8_cast_kernels(shapes, moe=moe), device)
+    if moe:
+        timing = timing + _token_dispatch(shapes, device)
     return _recompute(timing, core, shapes)
 
 
@@ -224,20 +281,74 @@ def _output_timing(shapes: Shapes, device: _Device) -> _Timing:
     return timing + _part("tp_comm", loss)
 
 
-def _mtp_timing(shapes: Shapes, device: _Device) -> _Timing:
+def _mtp_timing(shapes: Shapes, device: _Device, *, moe: bool = False) -> _Timing:
     """eh_proj GEMM, one decoder layer (with its recompute), the shared head and loss, and the input lookup."""
-    eh_proj = Gemm("eh_proj", shapes.tokens, shapes.hidden_size / shapes.tensor_model_parallel_size,
-                   2 * shapes.hidden_size, True)
-    return (_linear(eh_proj, shapes, device) + _decoder_timing(shapes, device) + _output_timing(shapes, device)
-            + _embedding_timing(shapes, device))
+    return (_linear(eh_proj_gemm(shapes), shapes, device) + _decoder_timing(shapes, device, moe=moe)
+            + _output_timing(shapes, device) + _embedding_timing(shapes, device))
 
 
 def _unit(name: str, kind: LayerKind, timing: _Timing, *, params: float, act_bytes: float,
-          static_bytes: float) -> LayerCost:
+          static_bytes: float, experts: float = 0.0) -> LayerCost:
     return LayerCost(
         name=name, kind=kind, fwd_ms=timing.fwd_ms, bwd_ms=timing.bwd_ms, wgrad_ms=timing.wgrad_ms,
-        static_bytes=static_bytes, act_bytes=act_bytes, param_count=params, parts=timing.parts,
+        static_bytes=static_bytes, act_bytes=act_bytes, param_count=params, expert_param_count=experts,
+        parts=timing.parts,
     )
+
+
+def unit_runs(model: ModelSpec) -> tuple[tuple[str, int], ...]:
+    """The profile's units in order as (unit key, repeat count): ``embedding``, runs of ``dense`` and
+    ``moe`` decoder layers as ``moe_layer_freq`` has them, ``mtp`` (of the last decoder layer's kind) and
+    ``output``."""
+    runs: list[list] = [["embedding", 1]]
+    for is_moe in model.moe_layers:
+        key = "moe" if is_moe else "dense"
+        if runs[-1][0] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([key, 1])
+    if model.mtp_num_layers:
+        runs.append(["mtp", model.mtp_num_layers])
+    runs.append(["output", 1])
+    return tuple((key, count) for key, count in runs)
+
+
+def distinct_units(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+                   train: TrainSpec) -> dict[str, LayerCost]:
+    """Each distinct unit of :func:`unit_runs`, costed once (named by its key)."""
+    shapes = shapes_of(model=model, parallel=parallel, train=train)
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+    device = _Device(
+        gpu=gpu, runtime=cluster.runtime, tp_comm_overlap=parallel.tp_comm_overlap and shapes.sequence_parallel,
+        link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=tp),
+        cp_link=p2p_link(cluster=cluster, span=tp * cp), cluster=cluster,
+    )
+
+    def unit(key: str, kind: LayerKind, timing: _Timing, params: float, act: float, experts: float = 0.0):
+        static = unit_static_bytes(kind=kind, params=params, shapes=shapes, parallel=parallel, train=train,
+                                   expert_params=experts)
+        return _unit(key, kind, timing, params=params, act_bytes=act, static_bytes=static, experts=experts)
+
+    keys = {key for key, _ in unit_runs(model)}
+    pattern = model.moe_layers
+    last_moe = bool(pattern and pattern[-1])
+    units: dict[str, LayerCost] = {}
+    for key, moe in (("dense", False), ("moe", True)):
+        if key in keys:
+            units[key] = unit(key, LayerKind.decoder, _decoder_timing(shapes, device, moe=moe),
+                              decoder_params(shapes, moe=moe), decoder_activation_bytes(shapes, moe=moe),
+                              expert_params(shapes, moe=moe))
+    if "mtp" in keys:
+        units["mtp"] = unit("mtp", LayerKind.mtp, _mtp_timing(shapes, device, moe=last_moe),
+                            mtp_params(shapes, moe=last_moe), mtp_activation_bytes(shapes, moe=last_moe),
+                            expert_params(shapes, moe=last_moe))
+    embedding = embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length)
+    units["embedding"] = unit("embedding", LayerKind.embedding, _embedding_timing(shapes, device), embedding,
+                              embedding_activation_bytes(shapes))
+    holds_head = model.untie_embeddings_and_output_weights or parallel.pipeline_model_parallel_size > 1
+    units["output"] = unit("output", LayerKind.loss, _output_timing(shapes, device),
+                           output_params(shapes, holds_output_weight=holds_head), output_activation_bytes(shapes))
+    return units
 
 
 def layer_costs(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec,
@@ -245,47 +356,31 @@ def layer_costs(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, paralle
     """Analytical per-unit costs for one microbatch: embedding, decoder.0..N-1, mtp.i, output.
 
     ``gpu`` is the device of the stage being costed (on a mixed cluster, call once per
-    GPU type); ``cluster`` supplies the tensor- and context-parallel links and the runtime.
-    Raises ConfigError for shardings Megatron rejects.
+    GPU type); ``cluster`` supplies the tensor-, context- and expert-parallel links and the runtime.
+    Dense and MoE decoder layers follow ``model.moe_layers``. Raises ConfigError for shardings
+    Megatron rejects.
     """
-    shapes = shapes_of(model=model, parallel=parallel, train=train)
-    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
-    device = _Device(
-        gpu=gpu, runtime=cluster.runtime, tp_comm_overlap=parallel.tp_comm_overlap and shapes.sequence_parallel,
-        link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=tp),
-        cp_link=p2p_link(cluster=cluster, span=tp * cp),
-    )
-
-    def static(kind: LayerKind, params: float) -> float:
-        return unit_static_bytes(kind=kind, params=params, shapes=shapes, parallel=parallel, train=train)
-
-    holds_head = model.untie_embeddings_and_output_weights or parallel.pipeline_model_parallel_size > 1
-    params = decoder_params(shapes)
-    decoder = _unit("decoder.0", LayerKind.decoder, _decoder_timing(shapes, device), params=params,
-                    act_bytes=decoder_activation_bytes(shapes), static_bytes=static(LayerKind.decoder, params))
-    params = mtp_params(shapes)
-    mtp = _unit("mtp.0", LayerKind.mtp, _mtp_timing(shapes, device), params=params,
-                act_bytes=mtp_activation_bytes(shapes), static_bytes=static(LayerKind.mtp, params))
-    embedding = embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length)
-    output = output_params(shapes, holds_output_weight=holds_head)
-    layers = [
-        _unit("embedding", LayerKind.embedding, _embedding_timing(shapes, device), params=embedding,
-              act_bytes=embedding_activation_bytes(shapes), static_bytes=static(LayerKind.embedding, embedding)),
-        *_named_copies(decoder, "decoder", model.num_layers),
-        *_named_copies(mtp, "mtp", model.mtp_num_layers),
-        _unit("output", LayerKind.loss, _output_timing(shapes, device), params=output,
-              act_bytes=output_activation_bytes(shapes), static_bytes=static(LayerKind.loss, output)),
-    ]
+    units = distinct_units(model=model, gpu=gpu, cluster=cluster, parallel=parallel, train=train)
+    layers: list[LayerCost] = []
+    decoders = 0
+    for key, count in unit_runs(model):
+        if key in ("dense", "moe"):
+            layers += _named_copies(units[key], "decoder", count, start=decoders)
+            decoders += count
+        elif key == "mtp":
+            layers += _named_copies(units[key], "mtp", count)
+        else:
+            layers.append(units[key])
     return Profile(layers=tuple(layers), device=gpu.name, meta=_meta(model, cluster, parallel, train))
 
 
-def _named_copies(unit: LayerCost, prefix: str, count: int) -> list[LayerCost]:
-    """``count`` copies of ``unit`` named prefix.0, prefix.1, ... (the constructor: dataclasses.replace is slower)."""
+def _named_copies(unit: LayerCost, prefix: str, count: int, start: int = 0) -> list[LayerCost]:
+    """``count`` copies of ``unit`` named prefix.start, ... (the constructor: dataclasses.replace is slower)."""
     return [
         LayerCost(name=f"{prefix}.{i}", kind=unit.kind, fwd_ms=unit.fwd_ms, bwd_ms=unit.bwd_ms, wgrad_ms=unit.wgrad_ms,
                   static_bytes=unit.static_bytes, act_bytes=unit.act_bytes, param_count=unit.param_count,
-                  parts=unit.parts)
-        for i in range(count)
+                  expert_param_count=unit.expert_param_count, parts=unit.parts)
+        for i in range(start, start + count)
     ]
 
 
@@ -308,4 +403,9 @@ def _meta(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, train:
         meta.append(("fp8_recipe", train.fp8_recipe))
     if parallel.tp_comm_overlap:
         meta.append(("tp_comm_overlap", True))
+    if model.is_moe:
+        meta += [("expert_model_parallel_size", parallel.expert_model_parallel_size),
+                 ("expert_tensor_parallel_size", parallel.expert_tp),
+                 ("moe_token_dispatcher_type", parallel.moe_token_dispatcher_type),
+                 ("moe_load_imbalance", train.moe_load_imbalance)]
     return tuple(meta)

@@ -69,16 +69,38 @@ def _replicated_bytes(shapes: Shapes) -> float:
     return shapes.norm_tokens * per_token
 
 
-def _sharded_bytes(shapes: Shapes) -> float:
-    e, q, kv, f = shapes.element_bytes, shapes.query_size, shapes.kv_size, shapes.ffn_hidden_size
+def _attention_bytes(shapes: Shapes) -> float:
+    e, q, kv, v = shapes.element_bytes, shapes.query_size, shapes.kv_size, shapes.value_size
     linear_in = _linear_input_bytes(shapes)
     # Unfused attention repeats K and V to every query head before the batched GEMMs (GQA), so
     # what those GEMMs keep is q wide; flash/fused kernels take the grouped K and V as they are.
-    kv = q if shapes.unfused_attention else kv
-    proj_input = e * q + (linear_in * q if shapes.gemm_dtype == "fp8" else 0.0)
-    attention = e * (q + kv) + e * kv + proj_input
-    mlp = ((2 if shapes.gated else 1) * e + linear_in) * f
-    return shapes.tokens * (attention + mlp) / shapes.tensor_model_parallel_size
+    if shapes.unfused_attention and not shapes.mla:
+        kv = v = q
+    out = shapes.attention_out_size
+    proj_input = e * out + (linear_in * out if shapes.gemm_dtype == "fp8" else 0.0)
+    sharded = shapes.tokens * (e * (q + kv + v) + proj_input) / shapes.tensor_model_parallel_size
+    if not shapes.mla:
+        return sharded
+    # MLA's gathered latents, each kept before and after its norm for the up-projection's backward.
+    latents = shapes.q_lora_rank + shapes.kv_lora_rank
+    return sharded + (2 if shapes.qk_layernorm else 1) * e * shapes.tokens * latents
+
+
+def _mlp_bytes(shapes: Shapes, *, moe: bool) -> float:
+    """The MLP's saved tensors: activation input and fc2 input (dense, shared experts, routed experts);
+    with MoE also the router's fp32 logits and probabilities, and the routed experts' inputs and outputs
+    (the permuted tokens, and what unpermute weighs by the routing probabilities), times the stated load
+    imbalance on the busiest rank."""
+    e, t, linear_in = shapes.element_bytes, shapes.tensor_model_parallel_size, _linear_input_bytes(shapes)
+    per_width = (2 if shapes.gated else 1) * e + linear_in
+    if not moe:
+        return shapes.tokens * per_width * shapes.ffn_hidden_size / t
+    router = 2 * 4 * shapes.num_experts * shapes.norm_tokens
+    shared = shapes.tokens * per_width * shapes.shared_ffn_hidden_size / t
+    routed = shapes.expert_tokens * (
+        per_width * shapes.expert_ffn_hidden_size / shapes.expert_tensor_parallel_size
+        + (linear_in + e) * shapes.hidden_size)
+    return router + shared + routed * shapes.moe_load_imbalance
 
 
 def _score_bytes(shapes: Shapes) -> float:
@@ -90,11 +112,11 @@ def _score_bytes(shapes: Shapes) -> float:
     return per_score * heads * shapes.micro_batch_size * shapes.local_seq_length * shapes.seq_length
 
 
-def decoder_activation_bytes(shapes: Shapes) -> float:
-    """Bytes one decoder layer keeps for its backward, per microbatch, on one GPU."""
+def decoder_activation_bytes(shapes: Shapes, *, moe: bool = False) -> float:
+    """Bytes one decoder layer (dense, or MoE with ``moe``) keeps for its backward, per microbatch, on one GPU."""
     if shapes.recompute == Recompute.full:
         return shapes.element_bytes * shapes.norm_tokens * shapes.hidden_size
-    return _replicated_bytes(shapes) + _sharded_bytes(shapes) + _score_bytes(shapes)
+    return _replicated_bytes(shapes) + _attention_bytes(shapes) + _mlp_bytes(shapes, moe=moe) + _score_bytes(shapes)
 
 
 def embedding_activation_bytes(shapes: Shapes) -> float:
@@ -114,10 +136,10 @@ def output_activation_bytes(shapes: Shapes) -> float:
     return inputs + logits
 
 
-def mtp_activation_bytes(shapes: Shapes) -> float:
+def mtp_activation_bytes(shapes: Shapes, *, moe: bool = False) -> float:
     """An MTP block: enorm/hnorm inputs and the ``2h``-wide eh_proj input, a decoder layer, its own logits."""
     extra = 4 * shapes.element_bytes * shapes.norm_tokens * shapes.hidden_size
-    return extra + decoder_activation_bytes(shapes) + output_activation_bytes(shapes)
+    return extra + decoder_activation_bytes(shapes, moe=moe) + output_activation_bytes(shapes)
 
 
 def activation_bytes_per_layer(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> float:

@@ -11,48 +11,70 @@ Weights per decoder layer (Megatron's GPTModel layer spec; ``q = heads * kv_chan
 For GPT-3 (MHA, f = 4h) this is the familiar ``12 h^2 + 13 h`` (Narayanan et al. 2021, eq. 2).
 Under tensor parallelism the weight matrices and the column-parallel biases are divided
 by t; norms and row-parallel biases are replicated on every tensor-parallel rank.
+
+The weights are those of the layer's GEMMs (:mod:`megapipe.cost.flops`), so multi-latent attention
+(its replicated down-projections and latent norms), a MoE layer's router, shared experts and routed
+experts (E/EP per GPU, each split ETP ways) follow from the same list. Checked against the published
+totals and active counts of DeepSeek-V3, Qwen3, Mixtral, GPT-OSS and Llama 4 Scout in
+``tests/test_moe.py`` and ``docs/cost_model.md``.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from megapipe.cost.flops import Gemm, decoder_gemms, eh_proj_gemm
 from megapipe.cost.precision import element_bytes, fp8_weight_copy_bytes
 from megapipe.cost.shapes import Shapes, shapes_of
-from megapipe.records import Activation, LayerKind, ModelSpec, ParallelSpec, TrainSpec
+from megapipe.records import LayerKind, ModelSpec, ParallelSpec, TrainSpec
 
 __all__ = [
     "decoder_params",
+    "expert_params",
     "embedding_params",
     "output_params",
     "mtp_params",
     "parameter_count",
-    "matmul_parameter_count",
+    "active_parameter_count",
     "bytes_per_parameter",
     "unit_static_bytes",
+    "fp8_weights",
 ]
 
 
-def _matrices_per_layer(*, hidden: int, query: int, kv: int, ffn: int, gated: bool) -> int:
-    """Weight-matrix elements of one decoder layer (what the GEMMs multiply)."""
-    return hidden * (query + 2 * kv) + query * hidden + hidden * ffn * (2 if gated else 1) + ffn * hidden
+def _norm(shapes: Shapes, width: float) -> float:
+    """A LayerNorm (weight and bias) for the gelu family, an RMSNorm (weight) otherwise."""
+    return (2 if shapes.gpt_style else 1) * width
 
 
-def _decoder_matrices(shapes: Shapes) -> float:
-    """Weight-matrix elements of one decoder layer on one tensor-parallel rank."""
-    return _matrices_per_layer(hidden=shapes.hidden_size, query=shapes.query_size, kv=shapes.kv_size,
-                               ffn=shapes.ffn_hidden_size, gated=shapes.gated) / shapes.tensor_model_parallel_size
+def _gemm_params(gemm: Gemm, shapes: Shapes) -> float:
+    """A linear layer's weights and, with biases, one per output column on this GPU (a row-parallel
+    layer's bias is replicated, a column-parallel one sharded like its weight)."""
+    return gemm.weights + (gemm.groups * gemm.n if shapes.biases else 0.0)
 
 
-def decoder_params(shapes: Shapes) -> float:
-    """Parameters of one decoder layer held by one tensor-parallel rank."""
-    h, t = shapes.hidden_size, shapes.tensor_model_parallel_size
-    if not shapes.gpt_style:
-        return _decoder_matrices(shapes) + 2 * h
-    column_biases = shapes.query_size + 2 * shapes.kv_size + shapes.ffn_hidden_size
-    row_biases = 2 * h
-    layer_norms = 2 * 2 * h
-    return _decoder_matrices(shapes) + column_biases / t + row_biases + layer_norms
+def _layer_norms(shapes: Shapes) -> float:
+    """Input and pre-MLP norms, and the query/key norms: per head (``2 d``) with GQA, the q and kv
+    latents (``r_q + r_kv``) with MLA."""
+    norms = 2 * _norm(shapes, shapes.hidden_size)
+    if shapes.mla:
+        norms += _norm(shapes, shapes.q_lora_rank + shapes.kv_lora_rank) if shapes.qk_layernorm else 0.0
+    elif shapes.qk_layernorm:
+        norms += 2 * _norm(shapes, shapes.head_dim)
+    return norms
+
+
+def decoder_params(shapes: Shapes, *, moe: bool = False) -> float:
+    """Parameters of one decoder layer held by one GPU (its experts' share: :func:`expert_params`)."""
+    return _layer_norms(shapes) + sum(_gemm_params(gemm, shapes) for gemm in decoder_gemms(shapes, moe=moe))
+
+
+def expert_params(shapes: Shapes, *, moe: bool = True) -> float:
+    """The routed experts' parameters of one MoE layer on one GPU: E/EP experts, each split ETP ways."""
+    if not moe or not shapes.num_experts:
+        return 0.0
+    return sum(_gemm_params(gemm, shapes) for gemm in decoder_gemms(shapes, moe=True)
+               if gemm.name.startswith("experts."))
 
 
 def embedding_params(shapes: Shapes, *, max_position_embeddings: int) -> float:
@@ -69,51 +91,57 @@ def output_params(shapes: Shapes, *, holds_output_weight: bool) -> float:
     (``setup_embeddings_and_output_layer``), so the output unit owns weights
     unless the model is tied and everything sits on one stage.
     """
-    norm = (2 if shapes.gpt_style else 1) * shapes.hidden_size
     head = shapes.vocab_size * shapes.hidden_size / shapes.tensor_model_parallel_size
-    return norm + (head if holds_output_weight else 0.0)
+    return _norm(shapes, shapes.hidden_size) + (head if holds_output_weight else 0.0)
 
 
-def mtp_params(shapes: Shapes) -> float:
-    """One multi-token-prediction block: enorm, hnorm, eh_proj (``2h x h``), a decoder layer, a final norm.
-
-    Its embedding and output head are shared with the main model (DeepSeek-V3, Sec. 2.2).
-    """
-    h, t = shapes.hidden_size, shapes.tensor_model_parallel_size
-    norms = 3 * (2 if shapes.gpt_style else 1) * h
-    return norms + 2 * h * h / t + decoder_params(shapes)
+def mtp_params(shapes: Shapes, *, moe: bool = False) -> float:
+    """One multi-token-prediction block: enorm, hnorm, eh_proj (``2h x h``), a decoder layer of the last
+    decoder layer's kind, a final norm. Its embedding and output head are shared with the main model
+    (DeepSeek-V3, Sec. 2.2)."""
+    return 3 * _norm(shapes, shapes.hidden_size) + _gemm_params(eh_proj_gemm(shapes), shapes) + decoder_params(
+        shapes, moe=moe)
 
 
-def parameter_count(model: ModelSpec) -> int:
-    """Total parameters of the whole model (unsharded, vocab as given, tied weights counted once)."""
+def _whole(model: ModelSpec) -> Shapes:
     shapes = shapes_of(model=model, parallel=ParallelSpec(), train=TrainSpec(seq_length=model.seq_length))
-    shapes = replace(shapes, vocab_size=model.vocab_size)
-    total = model.num_layers * decoder_params(shapes) + model.mtp_num_layers * mtp_params(shapes)
+    return replace(shapes, vocab_size=model.vocab_size)
+
+
+def parameter_count(model: ModelSpec, *, mtp: bool = True) -> int:
+    """Total parameters of the whole model (unsharded, vocab as given, tied weights counted once);
+    ``mtp=False`` leaves out the MTP blocks, as published totals of the main model do (DeepSeek-V3)."""
+    shapes = _whole(model)
+    pattern = model.moe_layers
+    total = sum(decoder_params(shapes, moe=is_moe) for is_moe in pattern)
+    if mtp:
+        total += model.mtp_num_layers * mtp_params(shapes, moe=bool(pattern and pattern[-1]))
     total += embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length)
     total += output_params(shapes, holds_output_weight=model.untie_embeddings_and_output_weights)
     return int(round(total))
 
 
-def matmul_parameter_count(model: ModelSpec) -> int:
-    """Weight elements that take part in a GEMM once per token: the ``N`` of the ``6 N`` rule.
+def active_parameter_count(model: ModelSpec, *, embedding: bool = True, output: bool = True,
+                           mtp: bool = False) -> int:
+    """Parameters one token uses: the routed experts' top-k of E (router and shared experts in full).
 
-    Decoder and MTP weight matrices plus the output head ``V x h`` (counted once per use:
-    the main head and each MTP block's shared head). Excludes the embedding lookup,
-    learned positions, norms and biases, which do no matrix multiply.
+    Publishers differ on the vocabulary tables: Mixtral, Qwen3 and Llama 4 count the embedding and the
+    output head, GPT-OSS the head only (its embedding is a lookup), DeepSeek-V3's 36.7B the same way
+    (its README_WEIGHTS); pass ``embedding``/``output`` to match. MTP blocks are left out by default.
     """
-    h = model.hidden_size
-    per_layer = _matrices_per_layer(
-        hidden=h,
-        query=model.num_attention_heads * model.head_dim,
-        kv=model.num_query_groups * model.head_dim,
-        ffn=model.ffn_hidden_size,
-        gated=Activation(model.activation) == Activation.swiglu,
-    )
-    head = model.vocab_size * h
-    return model.num_layers * per_layer + head + model.mtp_num_layers * (per_layer + 2 * h * h + head)
+    shapes = _whole(model)
+    total = parameter_count(model, mtp=mtp)
+    if model.is_moe:
+        unused = expert_params(shapes) * (1 - model.moe_router_topk / model.num_moe_experts)
+        layers = sum(model.moe_layers) + (model.mtp_num_layers if mtp and model.moe_layers[-1] else 0)
+        total -= layers * unused
+    tables = (not embedding) + (not output)
+    if not model.untie_embeddings_and_output_weights:  # one table serves both
+        tables = 1 if tables == 2 else 0
+    return int(round(total - tables * shapes.vocab_size * shapes.hidden_size))
 
 
-def bytes_per_parameter(*, precision: str, parallel: ParallelSpec) -> float:
+def bytes_per_parameter(*, precision: str, parallel: ParallelSpec, expert: bool = False) -> float:
     """Weights + main grads + fp32 master weights + Adam m, v per parameter, as Megatron allocates them.
 
     Megatron-LM ``docs/source/api-guide/dist_optimizer.md`` (d = data-parallel shards):
@@ -127,29 +155,37 @@ def bytes_per_parameter(*, precision: str, parallel: ParallelSpec) -> float:
     ======================  ====================  =================
 
     The distributed optimizer shards over the data-parallel group *with* context
-    parallelism (``intra_dp_cp`` in ``megatron/core/distributed``), so d = dp * cp.
+    parallelism (``intra_dp_cp`` in ``megatron/core/distributed``), so d = dp * cp; routed-expert
+    parameters (``expert=True``) get their own optimizer over the expert data-parallel group
+    (megatron-core ``optimizer/__init__.py``: ``intra_expt_dp_group``), so d = EDP = world / (ETP EP PP).
     """
     element_bytes(precision)  # validates the name
     # fp8 training keeps bf16 weights and fp32 main grads; its FP8 weight copies are unit_static_bytes'.
     replicated, sharded = {"bf16": (6.0, 12.0), "fp8": (6.0, 12.0), "fp16": (4.0, 16.0), "fp32": (8.0, 8.0)}[precision]
     if not parallel.use_distributed_optimizer:
         return replicated + sharded
-    return replicated + sharded / (parallel.data_parallel_size * parallel.context_parallel_size)
+    shards = (parallel.expert_data_parallel_size if expert
+              else parallel.data_parallel_size * parallel.context_parallel_size)
+    return replicated + sharded / shards
 
 
-
-def _fp8_weights(shapes: Shapes, kind: LayerKind) -> float:
-    """GEMM weights Transformer Engine runs in FP8: the decoder's four linear layers (and an MTP block's,
-    with its eh_proj); the embedding and the output layer stay bf16."""
-    if kind == LayerKind.decoder:
-        return _decoder_matrices(shapes)
-    if kind == LayerKind.mtp:
-        return _decoder_matrices(shapes) + 2 * shapes.hidden_size * shapes.hidden_size / shapes.tensor_model_parallel_size
-    return 0.0
+def fp8_weights(shapes: Shapes, kind: LayerKind, *, moe: bool = False) -> float:
+    """GEMM weights Transformer Engine runs in FP8: the decoder's linear layers but the router (and an MTP
+    block's, with its eh_proj); the embedding and the output layer stay bf16."""
+    if kind not in (LayerKind.decoder, LayerKind.mtp):
+        return 0.0
+    gemms = decoder_gemms(shapes, moe=moe) + ((eh_proj_gemm(shapes),) if kind == LayerKind.mtp else ())
+    return sum(gemm.weights for gemm in gemms if gemm.quantized)
 
 
 def unit_static_bytes(*, kind: LayerKind, params: float, shapes: Shapes, parallel: ParallelSpec,
-                      train: TrainSpec) -> float:
-    """Weights, main grads and optimizer state of one unit on one GPU, plus FP8 training's weight copies."""
-    per_param = bytes_per_parameter(precision=train.precision, parallel=parallel)
-    return params * per_param + _fp8_weights(shapes, kind) * fp8_weight_copy_bytes(train)
+                      train: TrainSpec, expert_params: float = 0.0) -> float:
+    """Weights, main grads and optimizer state of one unit on one GPU, plus FP8 training's weight copies.
+
+    ``params`` includes the unit's routed-expert parameters ``expert_params``, whose optimizer state
+    shards over expert data parallelism instead.
+    """
+    dense = bytes_per_parameter(precision=train.precision, parallel=parallel)
+    expert = bytes_per_parameter(precision=train.precision, parallel=parallel, expert=True) if expert_params else 0.0
+    return ((params - expert_params) * dense + expert_params * expert
+            + fp8_weights(shapes, kind, moe=expert_params > 0) * fp8_weight_copy_bytes(train))

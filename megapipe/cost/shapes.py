@@ -70,6 +70,41 @@ class Shapes:
     learned_positions: bool
     unfused_attention: bool
     recompute: Recompute
+    value_size: int = 0
+    """Width of V (kv_size for GQA; heads x v_head_dim with MLA, whose K and V span every head)."""
+    attention_out_size: int = 0
+    """Width of the attention output, linear_proj's input (query_size for GQA; heads x v_head_dim with MLA)."""
+    mla: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    """MLA's per-head RoPE width, shared by every head in the kv latent."""
+    num_experts: int = 0
+    topk: int = 0
+    expert_ffn_hidden_size: int = 0
+    shared_ffn_hidden_size: int = 0
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    moe_load_imbalance: float = 1.0
+    allgather_dispatcher: bool = False
+    biases: bool = False
+    """Biases on every linear layer (the gelu family, or ``add_bias_linear``)."""
+    qk_layernorm: bool = False
+
+    @property
+    def local_experts(self) -> int:
+        """Routed experts per MoE layer on this GPU: num_experts / EP."""
+        return self.num_experts // self.expert_model_parallel_size
+
+    @property
+    def expert_tokens(self) -> float:
+        """Token-expert assignments one GPU's experts process per MoE layer, balanced routing.
+
+        A GPU routes its sequence-parallel share ``tokens / t`` to ``topk`` experts each; the alltoall
+        dispatcher sends them over EP and all-gathers them over expert TP, so a GPU of the ETP x EP x EDP
+        expert grid processes ``tokens x topk x ETP / t`` of them (each at ``1/ETP`` of the expert width).
+        """
+        return self.tokens * self.topk * self.expert_tensor_parallel_size / self.tensor_model_parallel_size
 
     @property
     def tokens(self) -> int:
@@ -96,13 +131,32 @@ def shapes_of(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> 
     """Validate the sharding against Megatron's divisibility rules and return the per-GPU sizes."""
     _validate(model=model, parallel=parallel, train=train)
     tp = parallel.tensor_model_parallel_size
+    heads = model.num_attention_heads
+    if model.multi_latent_attention:
+        qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+        query, key, value, out = heads * qk, heads * qk, heads * model.v_head_dim, heads * model.v_head_dim
+    else:
+        query, key = heads * model.head_dim, model.num_query_groups * model.head_dim
+        value, out = key, query
     return Shapes(
+        value_size=value, attention_out_size=out, mla=model.multi_latent_attention,
+        q_lora_rank=model.q_lora_rank or 0, kv_lora_rank=model.kv_lora_rank if model.multi_latent_attention else 0,
+        rope_head_dim=model.qk_pos_emb_head_dim if model.multi_latent_attention else 0,
+        num_experts=model.num_moe_experts, topk=model.moe_router_topk if model.is_moe else 0,
+        expert_ffn_hidden_size=model.expert_ffn_hidden_size if model.is_moe else 0,
+        shared_ffn_hidden_size=model.moe_shared_expert_intermediate_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tp, moe_load_imbalance=train.moe_load_imbalance,
+        allgather_dispatcher=parallel.moe_token_dispatcher_type == "allgather",
+        biases=(model.add_bias_linear if model.add_bias_linear is not None
+                else Activation(model.activation) == Activation.gelu),
+        qk_layernorm=model.qk_layernorm,
         seq_length=train.seq_length,
         local_seq_length=train.seq_length // parallel.context_parallel_size,
         micro_batch_size=train.micro_batch_size,
         hidden_size=model.hidden_size,
-        query_size=model.num_attention_heads * model.head_dim,
-        kv_size=model.num_query_groups * model.head_dim,
+        query_size=query,
+        kv_size=key,
         ffn_hidden_size=model.ffn_hidden_size,
         vocab_size=padded_vocab_size(model.vocab_size, tp),
         num_attention_heads=model.num_attention_heads,
@@ -142,8 +196,9 @@ def _validate(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> 
     tp = parallel.tensor_model_parallel_size
     for key, value in (("model.num_query_groups", model.num_query_groups),
                        ("model.ffn_hidden_size", model.ffn_hidden_size)):
-        if value % tp:
+        if value % tp and not (key == "model.num_query_groups" and model.multi_latent_attention):
             raise ConfigError(f"{key}={value} is not divisible by tensor_model_parallel_size={tp}; pick a divisor")
+    _validate_experts(model=model, parallel=parallel)
     if parallel.sequence_parallel and tp > 1 and (train.seq_length // parallel.context_parallel_size) % tp:
         raise ConfigError(
             f"train.seq_length={train.seq_length} / context_parallel_size={parallel.context_parallel_size} is not "
@@ -155,3 +210,22 @@ def _validate(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> 
             f"train.seq_length={train.seq_length} is not divisible by 2 * context_parallel_size={2 * cp} "
             "(Megatron's load-balanced context parallelism); change one of them"
         )
+
+
+def _validate_experts(*, model: ModelSpec, parallel: ParallelSpec) -> None:
+    """megatron-core's expert rules: EP divides the experts, ETP the expert width, ETP x EP x PP the world."""
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tp
+    if not model.is_moe:
+        if ep > 1:
+            raise ConfigError(f"parallel.expert_model_parallel_size={ep} needs a MoE model (model.num_moe_experts > 0)")
+        return
+    if model.num_moe_experts % ep:
+        raise ConfigError(f"model.num_moe_experts={model.num_moe_experts} is not divisible by "
+                          f"expert_model_parallel_size={ep}; pick a divisor")
+    if model.expert_ffn_hidden_size % etp:
+        raise ConfigError(f"model.moe_ffn_hidden_size={model.expert_ffn_hidden_size} is not divisible by "
+                          f"expert_tensor_parallel_size={etp}; pick a divisor")
+    world = parallel.world_size
+    if world % (etp * ep * parallel.pipeline_model_parallel_size):
+        raise ConfigError(f"world size {world} is not divisible by ETP x EP x PP = {etp} x {ep} x "
+                          f"{parallel.pipeline_model_parallel_size} (megatron-core's expert grid); change EP or ETP")

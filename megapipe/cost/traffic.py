@@ -30,6 +30,7 @@ two norms, RoPE, two residual adds (bias-dropout-add), the activation: 6 / 12; F
 
 from __future__ import annotations
 
+from megapipe.cost.flops import decoder_gemms
 from megapipe.cost.shapes import Shapes
 
 __all__ = [
@@ -43,43 +44,92 @@ __all__ = [
 ]
 
 
-def decoder_traffic_bytes(shapes: Shapes) -> float:
+def decoder_traffic_bytes(shapes: Shapes, *, moe: bool = False) -> float:
     """Forward bytes of a decoder layer's memory-bound kernels, excluding the attention core."""
-    e = shapes.element_bytes
+    e, t = shapes.element_bytes, shapes.tensor_model_parallel_size
     hidden = shapes.norm_tokens * shapes.hidden_size
     norms = 2 * 2 * e * hidden
     dropout_add = 2 * (3 * e + (1 if shapes.dropout else 0)) * hidden
-    ffn = shapes.tokens * shapes.ffn_hidden_size / shapes.tensor_model_parallel_size
-    activation = (3 if shapes.gated else 2) * e * ffn
-    rope = 0.0 if shapes.learned_positions else 2 * e * shapes.tokens * (
-        shapes.query_size + shapes.kv_size) / shapes.tensor_model_parallel_size
-    return norms + dropout_add + activation + rope
+    per_ffn = (3 if shapes.gated else 2) * e
+    if shapes.learned_positions:
+        rope = 0.0
+    elif shapes.mla:  # RoPE on the rope slices only: per head for queries, one shared key head
+        rope = 2 * e * shapes.tokens * shapes.rope_head_dim * (shapes.num_attention_heads / t + 1)
+    else:
+        rope = 2 * e * shapes.tokens * (shapes.query_size + shapes.kv_size) / t
+    latents = 2 * 2 * e * shapes.tokens * (shapes.q_lora_rank + shapes.kv_lora_rank) if shapes.qk_layernorm else 0.0
+    if not moe:
+        activation = per_ffn * shapes.tokens * shapes.ffn_hidden_size / t
+        return norms + dropout_add + activation + rope + latents
+    return norms + dropout_add + rope + latents + _moe_traffic_bytes(shapes, per_ffn)
 
 
-def decoder_kernels(shapes: Shapes) -> tuple[int, int]:
+def _moe_traffic_bytes(shapes: Shapes, per_ffn: float) -> float:
+    """A MoE layer's memory-bound work (megatron-core ``moe_utils``, ``token_dispatcher.py``): the router's
+    fp32 score, top-k and aux-loss passes over ``tokens x E``; ``permute`` (read the hidden state, write
+    ``topk`` copies), the dispatcher's sort by local expert after the all-gather over ETP, ``unpermute``
+    (read ``topk`` weighted copies, write one); the activation over the shared and the routed experts'
+    widths (routed ones times the stated load imbalance)."""
+    e, h = shapes.element_bytes, shapes.hidden_size
+    local, m = shapes.norm_tokens, shapes.expert_tokens * shapes.moe_load_imbalance
+    router = 6 * 4 * shapes.num_experts * local
+    dispatch = 2 * e * h * local * (1 + shapes.topk)
+    sort = 2 * 2 * e * h * m if shapes.expert_model_parallel_size * shapes.expert_tensor_parallel_size > 1 else 0.0
+    shared = per_ffn * shapes.tokens * shapes.shared_ffn_hidden_size / shapes.tensor_model_parallel_size
+    routed = per_ffn * m * shapes.expert_ffn_hidden_size / shapes.expert_tensor_parallel_size
+    return router + dispatch + sort + shared + routed
+
+
+_MOE_KERNELS = 14
+"""A MoE layer's extra memory-bound launches forward: router score, top-k, probabilities, aux loss (about
+six), the routing map and token counts, permute, sort, unpermute (about eight)."""
+
+
+def decoder_kernels(shapes: Shapes, *, moe: bool = False) -> tuple[int, int]:
     """Memory-bound kernel launches of a decoder layer, (forward, backward)."""
-    forward = 6 - (1 if shapes.learned_positions else 0)
+    forward = 6 - (1 if shapes.learned_positions else 0) + (_MOE_KERNELS if moe else 0)
     return forward, 2 * forward
 
 
-def fp8_cast_kernels(shapes: Shapes) -> tuple[int, int]:
+_NORM_FED = frozenset({"linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj"})
+"""Linear layers whose input a norm writes, in FP8 directly (Transformer Engine's LayerNormLinear)."""
+
+
+def _fp8_casts(shapes: Shapes, moe: bool) -> tuple[tuple[float, float], tuple[int, int]]:
+    """((forward, backward) elements, (forward, backward) kernels) of a decoder layer's FP8 casts: the
+    input of every FP8 linear layer not fed by a norm, and in the backward every output gradient."""
+    fed = _NORM_FED | ({"linear_q_up_proj", "linear_kv_up_proj"} if shapes.qk_layernorm else frozenset())
+    forward = backward = 0.0
+    forward_kernels = backward_kernels = 0
+    for gemm in decoder_gemms(shapes, moe=moe):
+        if not gemm.quantized:
+            continue
+        tokens = gemm.tokens * (shapes.moe_load_imbalance if gemm.groups > 1 else 1.0)
+        if gemm.name not in fed:
+            forward += tokens * gemm.k
+            forward_kernels += 1
+        backward += tokens * gemm.n
+        backward_kernels += 1
+    return (forward, backward), (forward_kernels, backward_kernels)
+
+
+def fp8_cast_kernels(shapes: Shapes, *, moe: bool = False) -> tuple[int, int]:
     """FP8 cast kernels of a decoder layer, (forward, backward); none outside fp8."""
     if shapes.gemm_dtype != "fp8":
         return 0, 0
     per_cast = 2 if shapes.fp8_recipe == "tensorwise" else 1
-    return 2 * per_cast, 4 * per_cast
+    forward, backward = _fp8_casts(shapes, moe)[1]
+    return forward * per_cast, backward * per_cast
 
 
-def fp8_cast_traffic_bytes(shapes: Shapes) -> tuple[float, float]:
+def fp8_cast_traffic_bytes(shapes: Shapes, *, moe: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes of a decoder layer's FP8 casts; 0 outside fp8."""
     if shapes.gemm_dtype != "fp8":
         return 0.0, 0.0
-    e, t = shapes.element_bytes, shapes.tensor_model_parallel_size
+    e = shapes.element_bytes
     written = 2.0 * (1 + 1 / 32) if shapes.fp8_recipe == "mxfp8" else 2.0
     per_element = e + written + (e if shapes.fp8_recipe == "tensorwise" else 0.0)
-    q, kv, f, h = shapes.query_size, shapes.kv_size, shapes.ffn_hidden_size, shapes.hidden_size
-    forward = shapes.tokens * (q + f) / t
-    backward = shapes.tokens * ((q + 2 * kv) / t + h + f * (2 if shapes.gated else 1) / t + h)
+    forward, backward = _fp8_casts(shapes, moe)[0]
     return per_element * forward, per_element * backward
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megapipe.errors import ConfigError
-from megapipe.layout import format_layout
+from megapipe.layout import format_layout, mtp_problem
 from megapipe.records import LayerKind
 
 __all__ = [
@@ -59,8 +59,6 @@ def _check_ends(flat: list[LayerKind], layout: str) -> None:
         raise ConfigError(f"layout {layout!r} must start with exactly one embedding E; put E first in stage 0 only")
     if flat.count(LayerKind.loss) != 1 or flat[-1] != LayerKind.loss:
         raise ConfigError(f"layout {layout!r} must end with exactly one loss L; put L last in the last stage only")
-    if LayerKind.mtp in flat and LayerKind.decoder in flat[flat.index(LayerKind.mtp) :]:
-        raise ConfigError(f"layout {layout!r} has a decoder layer t after an MTP layer m; put every m after the last t")
 
 
 def validate_stages(
@@ -68,8 +66,9 @@ def validate_stages(
 ) -> None:
     """Raise ConfigError unless megatron-core can build and run this layout.
 
-    Beyond megatron-core's own ``validate_layer_layout`` this rejects empty stages:
-    they parse, but a rank chunk with no module deadlocks (Megatron-LM #1852).
+    Beyond megatron-core's own ``validate_layer_layout`` (and its MTP rules,
+    :func:`megapipe.layout.mtp_problem`) this rejects empty stages: they parse, but a rank
+    chunk with no module deadlocks (Megatron-LM #1852).
     """
     layout = format_layout(stage_kinds)
     num_stages = pipeline_model_parallel_size * virtual_pipeline_model_parallel_size
@@ -85,6 +84,9 @@ def validate_stages(
                 "Megatron (Megatron-LM #1852); lower pipeline_model_parallel_size or give every stage an entry"
             )
     _check_ends([kind for kinds in stage_kinds for kind in kinds], layout)
+    problem = mtp_problem(stage_kinds, pipeline_model_parallel_size=pipeline_model_parallel_size)
+    if problem:
+        raise ConfigError(f"layout {layout!r}: {problem}")
 
 
 def equal_stage_kinds(

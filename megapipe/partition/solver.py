@@ -26,7 +26,8 @@ from megapipe.partition.coupled import Unsolved, milp_split, rank_peaks, uniform
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memory_reach, stage_ranks
 from megapipe.partition.headroom import least_utilisation_split
 from megapipe.partition.minmax import SegmentCost, min_max_split, reachable_sets, segment_cost
-from megapipe.records import LayerCost, Partition, StageSpec
+from megapipe.layout import mtp_problem
+from megapipe.records import LayerCost, LayerKind, Partition, StageSpec
 from megapipe.schedules import ScheduleName, rank_in_flight_profiles, spec
 from megapipe.units import GIB
 
@@ -69,17 +70,20 @@ def solve(
         schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
         virtual_pipeline_model_parallel_size=vp, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
     ) if coupled else None
-    if method == "equal":
-        bounds = equal_bounds([layer.kind for layer in layers], num_stages=pp * vp)
-    elif method == "parameters":
-        bounds = parameters_bounds([layer.param_count for layer in layers], num_stages=pp * vp)
-    elif coupled:
-        bounds = _coupled_bounds(layers, stages, ranks, in_flight, profiles, check_memory=check_memory)
-    else:
+
+    def split(entries) -> tuple[int, ...]:
+        if method == "equal":
+            return equal_bounds([layer.kind for layer in entries], num_stages=pp * vp)
+        if method == "parameters":
+            return parameters_bounds([layer.param_count for layer in entries], num_stages=pp * vp)
+        if coupled:
+            return _coupled_bounds(entries, stages, ranks, in_flight, profiles, check_memory=check_memory)
         caps = tuple(float(stages[rank].memory_bytes) for rank in ranks) if check_memory else (math.inf,) * len(ranks)
         # Where the bottleneck alone sets the step (the spec's bottleneck_sets_step), every
         # bottleneck-optimal split is equally fast, so keep the one with the most headroom.
-        bounds = _optimal_bounds(layers, stages, ranks, in_flight, caps, headroom=spec(schedule).bottleneck_sets_step)
+        return _optimal_bounds(entries, stages, ranks, in_flight, caps, headroom=spec(schedule).bottleneck_sets_step)
+
+    bounds = _with_mtp_rules(layers, split, pp)
     partition = build_partition(
         layers=layers, stages=stages, bounds=bounds, in_flight=in_flight, ranks=ranks,
         num_microbatches=num_microbatches, schedule=schedule, method=method, profiles=profiles,
@@ -88,6 +92,52 @@ def solve(
     if check_memory and method != "optimal" and not partition.fits_memory:
         _raise_rank_overflow(partition, stages)
     return partition
+
+
+def _mtp_problem(layers, bounds, pp: int) -> str | None:
+    kinds = [tuple(layer.kind for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return mtp_problem(kinds, pipeline_model_parallel_size=pp)
+
+
+def _glued(layers, start: int, stop: int) -> tuple[list[LayerCost], int]:
+    """The profile with entries start..stop-1 as one entry (their sums), and how many entries it removed."""
+    group = layers[start:stop]
+    fsum = math.fsum
+    merged = LayerCost(
+        name="+".join(layer.name for layer in group), kind=group[-1].kind,
+        fwd_ms=fsum(e.fwd_ms for e in group), bwd_ms=fsum(e.bwd_ms for e in group),
+        wgrad_ms=fsum(e.wgrad_ms for e in group), static_bytes=fsum(e.static_bytes for e in group),
+        act_bytes=fsum(e.act_bytes for e in group), param_count=fsum(e.param_count for e in group),
+        expert_param_count=fsum(e.expert_param_count for e in group),
+        parts=tuple(map(fsum, zip(*(e.parts for e in group)))) if all(e.parts for e in group) else (),
+    )  # fmt: skip
+    return [*layers[:start], merged, *layers[stop:]], stop - start - 1
+
+
+def _with_mtp_rules(layers, split, pp: int) -> tuple[int, ...]:
+    """``split(layers)``, unless it places the MTP layers where megatron-core refuses them
+    (:func:`megapipe.layout.mtp_problem`). Then the MTP layers are split as one entry, and if that
+    still lands badly, as one entry with the loss (the last stage, always allowed): the best split
+    under each restriction, the first that megatron-core accepts.
+    """
+    bounds = split(layers)
+    mtp = [index for index, layer in enumerate(layers) if layer.kind == LayerKind.mtp]
+    if not mtp or _mtp_problem(layers, bounds, pp) is None:
+        return bounds
+    start, stop = mtp[0], mtp[-1] + 1
+    tail = len(layers) if layers[-1].kind == LayerKind.loss and stop == len(layers) - 1 else stop
+    for end in dict.fromkeys((stop, tail)):
+        entries, removed = _glued(layers, start, end)
+        try:
+            glued = split(entries)
+        except InfeasibleError:
+            continue
+        expanded = tuple(b if b <= start else b + removed for b in glued)
+        if _mtp_problem(layers, expanded, pp) is None:
+            return expanded
+    problem = _mtp_problem(layers, bounds, pp)
+    raise InfeasibleError(f"no split places the MTP layers where megatron-core allows them ({problem}); "
+                          "change the pipeline or virtual sizes")
 
 
 def _coupled_bounds(layers, stages, ranks, in_flight, profiles, *, check_memory: bool) -> tuple[int, ...]:

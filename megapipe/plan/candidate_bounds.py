@@ -38,6 +38,7 @@ class _Totals:
     static_bytes: float
     act_bytes: float
     param_count: float
+    expert_param_count: float
     num_decoders: int
     decoder_min_ms: float
     """The cheapest decoder entry's fwd_ms + bwd_ms."""
@@ -75,7 +76,8 @@ class CandidateBounds:
             decoders = [(unit.fwd_ms + unit.bwd_ms, count) for unit, count in zip(units, counts)
                         if unit.kind == LayerKind.decoder and count]
             found = _Totals(*(repeated_sum([getattr(unit, name) for unit in units], counts) for name in
-                              ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes", "param_count")),
+                              ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes", "param_count",
+                               "expert_param_count")),
                             num_decoders=sum(count for _, count in decoders),
                             decoder_min_ms=min((ms for ms, _ in decoders), default=0.0))
             self._totals[key] = found
@@ -125,15 +127,16 @@ class CandidateBounds:
     def _dp_step_terms(self, cand: Candidate, totals: _Totals, include_sync: bool) -> tuple[float, float]:
         """Optimizer step and exposed DP sync of the mean rank; they do not depend on VP or the schedule."""
         par = cand.parallel
-        key = cand.layer_key + (par.data_parallel_size, include_sync)
+        key = cand.layer_key + (par.data_parallel_size, par.pipeline_model_parallel_size, include_sync)
         found = self._dp_terms.get(key)
         if found is None:
             pp = par.pipeline_model_parallel_size
-            params = totals.param_count / pp
-            optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par)
+            params, experts = totals.param_count / pp, totals.expert_param_count / pp
+            optimizer = optimizer_step_ms(params_per_gpu=params, gpu=self.cluster.gpu, parallel=par,
+                                          expert_params_per_gpu=experts)
             sync = dp_sync_ms(params_per_gpu=params, train=cand.train, cluster=self.cluster,
-                              parallel=par, backward_ms=totals.bwd_ms / pp,
-                              forward_ms=totals.fwd_ms / pp) if include_sync else 0.0
+                              parallel=par, backward_ms=totals.bwd_ms / pp, forward_ms=totals.fwd_ms / pp,
+                              expert_params_per_gpu=experts) if include_sync else 0.0
             found = self._dp_terms[key] = (optimizer, sync)
         return found
 
@@ -178,8 +181,8 @@ class CandidateBounds:
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
         least = least_in_flight(cand.schedule, pp, m)
         layers = self.costs.bound_layers(cand)
-        decoder = next((layer for layer in layers if layer.kind == LayerKind.decoder), None)
-        if decoder is None:
+        decoders = list({id(layer): layer for layer in layers if layer.kind == LayerKind.decoder}.values())
+        if not decoders:
             totals = self.totals(cand)
             return (totals.static_bytes + totals.act_bytes) / pp
         pinned = [0.0] * pp
@@ -187,7 +190,8 @@ class CandidateBounds:
         for layer, rank in ((layers[0], 0), (layers[-1], last_rank)):
             if layer.kind != LayerKind.decoder:
                 pinned[rank] += layer.static_bytes + least[rank] * layer.act_bytes
-        per_layer = [decoder.static_bytes + k * decoder.act_bytes for k in least]
+        # The lightest decoder kind (dense or MoE) for every layer: no split holds less.
+        per_layer = [min(d.static_bytes + k * d.act_bytes for d in decoders) for k in least]
         return water_level(pinned, per_layer, self.costs.model.num_layers)
 
     def split_can_fit(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> bool:

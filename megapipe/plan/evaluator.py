@@ -139,6 +139,7 @@ class Evaluator:
         pp = par.pipeline_model_parallel_size
         static = [0.0] * pp
         params = [0.0] * pp
+        experts = [0.0] * pp
         fwd = [0.0] * pp
         bwd = [0.0] * pp
         start = 0
@@ -148,11 +149,14 @@ class Evaluator:
             start += count
             static[rank] += sum(layer.static_bytes for layer in chunk)
             params[rank] += sum(layer.param_count for layer in chunk)
+            experts[rank] += sum(layer.expert_param_count for layer in chunk)
             fwd[rank] += times.fwd_ms[stage]
             bwd[rank] += times.bwd_ms[stage]
-        sync = max(dp_sync_ms(params_per_gpu=params[r], train=train, cluster=self.cluster,
-                              parallel=par, backward_ms=bwd[r], forward_ms=fwd[r]) for r in range(pp))
-        optimizer = max(optimizer_step_ms(params_per_gpu=params[r], gpu=gpus[r], parallel=par) for r in range(pp))
+        sync = max(dp_sync_ms(params_per_gpu=params[r], train=train, cluster=self.cluster, parallel=par,
+                              backward_ms=bwd[r], forward_ms=fwd[r], expert_params_per_gpu=experts[r])
+                   for r in range(pp))
+        optimizer = max(optimizer_step_ms(params_per_gpu=params[r], gpu=gpus[r], parallel=par,
+                                          expert_params_per_gpu=experts[r]) for r in range(pp))
         return _RankSums(static_bytes=tuple(static), fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), sync_ms=sync,
                          optimizer_ms=optimizer)
 

@@ -66,7 +66,8 @@ class Candidate:
 
     @property
     def layer_key(self) -> tuple:
-        """What per-layer costs depend on (not pp, vp, dp or the schedule)."""
+        """What per-layer costs depend on (not pp, vp, dp or the schedule; the expert data-parallel size
+        follows from TP, CP, DP, EP and ETP)."""
         par, train = self.parallel, self.train
         return (
             par.tensor_model_parallel_size,
@@ -79,6 +80,10 @@ class Candidate:
             train.fp8_recipe,
             train.fp8_param_gather,
             par.tp_comm_overlap,
+            par.expert_model_parallel_size,
+            par.expert_tensor_parallel_size,
+            par.moe_token_dispatcher_type,
+            train.moe_load_imbalance,
         )
 
 

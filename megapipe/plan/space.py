@@ -56,6 +56,9 @@ class Point(NamedTuple):
     schedule: str
     per_stage_recompute: bool
     num_microbatches: int
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 0
+    """0 for dense models (Megatron's default, TP)."""
 
 
 def divisors(number: int) -> tuple[int, ...]:
@@ -81,7 +84,7 @@ class Space:
 
     def candidate(self, point: Point) -> Candidate:
         """The record of one point."""
-        parallel_key, train_key = point[:5] + point[7:8], point[5:7]
+        parallel_key, train_key = point[:5] + point[7:8] + point[11:13], point[5:7]
         parallel = self._records.get(parallel_key)
         if parallel is None:
             parallel = self._records[parallel_key] = ParallelSpec(
@@ -95,6 +98,9 @@ class Space:
                 tp_comm_overlap=self.template.tp_comm_overlap and point.sequence_parallel,
                 overlap_grad_reduce=self.template.overlap_grad_reduce,
                 overlap_param_gather=self.template.overlap_param_gather,
+                expert_model_parallel_size=point.expert_model_parallel_size,
+                expert_tensor_parallel_size=point.expert_tensor_parallel_size,
+                moe_token_dispatcher_type=self.template.moe_token_dispatcher_type,
             )
         spec = self._records.get(train_key)
         if spec is None:
@@ -102,7 +108,8 @@ class Space:
             spec = self._records[train_key] = TrainSpec(
                 micro_batch_size=point.micro_batch_size, global_batch_size=train.global_batch_size,
                 seq_length=train.seq_length, recompute_granularity=point.recompute_granularity,
-                precision=train.precision, fp8_recipe=train.fp8_recipe, fp8_param_gather=train.fp8_param_gather)
+                precision=train.precision, fp8_recipe=train.fp8_recipe, fp8_param_gather=train.fp8_param_gather,
+                moe_load_imbalance=train.moe_load_imbalance)
         return Candidate(parallel=parallel, train=spec, schedule=point.schedule,
                          per_stage_recompute=point.per_stage_recompute)
 
@@ -174,18 +181,49 @@ def enumerate_candidates(
             shape_ok = tp_ok and not (cp > 1 and train.seq_length % (2 * cp))
             for pp in _pp_values(world, tp * cp, model, fixed, options):
                 dp = world // (tp * cp * pp)
+                experts = _expert_values(model, tp=tp, cp=cp, dp=dp, fixed=fixed)
+                if not experts:
+                    enumerated += 1
+                    pruned["divisibility"] += 1
+                    continue
                 for point in _inner(model=model, train=train, fixed=fixed, options=options, tp=tp, cp=cp, pp=pp,
                                     dp=dp, shape_ok=shape_ok, group=microbatch_group_size_per_vp_stage):
-                    enumerated += 1
                     if isinstance(point, str):  # the reason it was pruned
-                        pruned[point] += 1
-                    else:
-                        out.append(point)
+                        enumerated += len(experts)
+                        pruned[point] += len(experts)
+                        continue
+                    for ep, etp in experts:
+                        enumerated += 1
+                        out.append(point._replace(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp))
     if not enumerated:
         raise ConfigError(_no_fit_message(world, fixed))
     return Space(points=tuple(out), pruned=pruned, enumerated=enumerated, train=train,
                  use_distributed_optimizer=use_distributed_optimizer,
                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, template=template)
+
+
+def _expert_values(model: ModelSpec, *, tp: int, cp: int, dp: int, fixed: Mapping) -> tuple[tuple[int, int], ...]:
+    """(EP, ETP) pairs megatron-core accepts for a MoE model on TP x CP x DP GPUs per pipeline stage.
+
+    ETP is 1 or TP (Megatron's default; :attr:`ParallelSpec.expert_tp`), and 1 with biased experts
+    (megatron-core's TransformerConfig: "Bias in Moe is only supported when ETP==1"); it divides the
+    expert width. EP divides the expert count, and ETP x EP divides the stage's GPUs: experts fold over
+    TP x CP x DP ("parallel folding", megatron-core's expert grid). Dense models: EP 1, ETP unset.
+    """
+    if not model.is_moe:
+        return ((int(fixed.get("expert_model_parallel_size", 1)), 0),) if int(
+            fixed.get("expert_model_parallel_size", 1)) == 1 else ()
+    biased = model.add_bias_linear if model.add_bias_linear is not None else model.activation == "gelu"
+    etps = (1,) if biased else tuple(sorted({1, tp}))
+    if "expert_tensor_parallel_size" in fixed:
+        etps = (int(fixed["expert_tensor_parallel_size"]),)
+    stage = tp * cp * dp
+    eps = divisors(model.num_moe_experts)
+    if "expert_model_parallel_size" in fixed:
+        eps = (int(fixed["expert_model_parallel_size"]),)
+    return tuple((ep, etp) for etp in etps for ep in eps
+                 if model.num_moe_experts % ep == 0 and model.expert_ffn_hidden_size % etp == 0
+                 and stage % (ep * etp) == 0)
 
 
 def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
@@ -214,7 +252,11 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok, group) -> 
     schedules = _values(fixed, "schedule", searched if pp > 1 else (ScheduleName.one_f_one_b,))
     mbs_values = _values(fixed, "micro_batch_size", options.micro_batch_sizes)
     recomputes = tuple(Recompute(value) for value in _values(fixed, "recompute_granularity", _RECOMPUTE))
-    sps = tuple(bool(sp) for sp in _values(fixed, "sequence_parallel", (False, True) if tp > 1 else (False,)))
+    # MoE training with TP > 1 needs sequence parallelism (megatron-core MoELayer.forward raises otherwise).
+    sp_default = ((True,) if model.is_moe else (False, True)) if tp > 1 else (False,)
+    sps = tuple(bool(sp) for sp in _values(fixed, "sequence_parallel", sp_default))
+    if model.is_moe and tp > 1 and not all(sps):
+        shape_ok = False
     for schedule in schedules:
         item = spec(schedule)
         name = str(item.name)  # a plain str: points key many caches

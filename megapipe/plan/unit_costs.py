@@ -1,7 +1,8 @@
 """The cost model's distinct pipeline units per candidate, shared across data-parallel sizes.
 
-:func:`megapipe.cost.layer_costs` costs one decoder (and one MTP) layer and repeats it, so
-bounds only need the units of a one-layer model, each with its repeat count. A unit's times
+:func:`megapipe.cost.layer_costs` costs each distinct unit once (a dense and a MoE decoder layer, an MTP
+block) and repeats it (:func:`megapipe.cost.layers.unit_runs`), so bounds only need the distinct units,
+each with its repeat count. A unit's times
 and activation bytes depend on (TP, SP, CP, micro-batch, recompute, sequence), and whether
 the last stage holds the output weight on PP > 1; the data-parallel size enters only
 ``static_bytes`` (:func:`megapipe.cost.params.unit_static_bytes`: the distributed optimizer's
@@ -12,13 +13,13 @@ built-in ``sum``, so they are the very sums of the full profile.
 
 from __future__ import annotations
 
-import dataclasses
 from itertools import chain, repeat
 
 from megapipe import cost
+from megapipe.cost.layers import distinct_units, unit_runs
 from megapipe.cost.params import unit_static_bytes
 from megapipe.plan.plans import Candidate
-from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec
+from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec
 
 __all__ = ["UnitCosts", "repeated_sum"]
 
@@ -34,8 +35,8 @@ class UnitCosts:
     def __init__(self, *, model: ModelSpec, cluster: ClusterSpec):
         self.model = model
         self.cluster = cluster
-        self._unit_model = dataclasses.replace(model, num_layers=1, mtp_num_layers=min(model.mtp_num_layers, 1))
-        self._timed: dict[tuple, tuple[LayerCost, ...]] = {}
+        self._runs = unit_runs(model)
+        self._timed: dict[tuple, dict[str, LayerCost]] = {}
         self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = {}
 
     def runs(self, cand: Candidate, gpu: GpuSpec) -> tuple[tuple[LayerCost, ...], tuple[int, ...]]:
@@ -46,17 +47,17 @@ class UnitCosts:
         found = self._priced.get(key)
         if found is None:
             units = self._timed_units(cand, gpu)
-            shapes = cost.shapes_of(model=self._unit_model, parallel=par, train=cand.train)
+            shapes = cost.shapes_of(model=self.model, parallel=par, train=cand.train)
 
             def static(unit: LayerCost) -> float:
                 return unit_static_bytes(kind=unit.kind, params=unit.param_count, shapes=shapes, parallel=par,
-                                         train=cand.train)
+                                         train=cand.train, expert_params=unit.expert_param_count)
 
-            units = tuple(LayerCost(name=unit.name, kind=unit.kind, fwd_ms=unit.fwd_ms, bwd_ms=unit.bwd_ms,
-                                    wgrad_ms=unit.wgrad_ms, static_bytes=static(unit), act_bytes=unit.act_bytes,
-                                    param_count=unit.param_count, parts=unit.parts) for unit in units)
-            counts = {LayerKind.decoder: self.model.num_layers, LayerKind.mtp: self.model.mtp_num_layers}
-            found = (units, tuple(counts.get(unit.kind, 1) for unit in units))
+            priced = {key: LayerCost(name=unit.name, kind=unit.kind, fwd_ms=unit.fwd_ms, bwd_ms=unit.bwd_ms,
+                                     wgrad_ms=unit.wgrad_ms, static_bytes=static(unit), act_bytes=unit.act_bytes,
+                                     param_count=unit.param_count, expert_param_count=unit.expert_param_count,
+                                     parts=unit.parts) for key, unit in units.items()}
+            found = (tuple(priced[key] for key, _ in self._runs), tuple(count for _, count in self._runs))
             self._priced[key] = found
         return found
 
@@ -65,12 +66,11 @@ class UnitCosts:
         units, counts = self.runs(cand, gpu)
         return tuple(chain.from_iterable(map(repeat, units, counts)))
 
-    def _timed_units(self, cand: Candidate, gpu: GpuSpec) -> tuple[LayerCost, ...]:
+    def _timed_units(self, cand: Candidate, gpu: GpuSpec) -> dict[str, LayerCost]:
         par = cand.parallel
         key = cand.layer_key + (par.pipeline_model_parallel_size > 1, gpu.name)
         found = self._timed.get(key)
         if found is None:
-            found = cost.layer_costs(model=self._unit_model, gpu=gpu, cluster=self.cluster, parallel=par,
-                                     train=cand.train).layers
+            found = distinct_units(model=self.model, gpu=gpu, cluster=self.cluster, parallel=par, train=cand.train)
             self._timed[key] = found
         return found
