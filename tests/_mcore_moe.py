@@ -221,9 +221,14 @@ def build_moe_gpt_chunks(
     Parallel sizes come from megatron-core's parallel_state (``init_parallel``).
     ``layout=None`` is Megatron's default equal split. ``seed`` seeds torch's CPU
     generator before the build, so equal seeds give equal weights on equal ranks.
-    Call inside ``moe_cpu_shims()``.
+    Call inside ``moe_cpu_shims()``. megatron-core's aux-loss tracker is a module
+    global sized by the first model's layer count; it is emptied here so that one
+    process can build models of several depths.
     """
     import torch
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (

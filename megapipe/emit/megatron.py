@@ -12,6 +12,7 @@ tokenizer and optimizer-schedule flags added:
   normalisation, biases and dropout (:mod:`megapipe.cost.shapes`' convention: the swiglu family is
   Llama's RMSNorm without biases or dropout, the gelu family GPT's LayerNorm with biases and 0.1
   dropout);
+- mixture of experts, MLA and MTP: :mod:`megapipe.emit.moe`;
 - precision: ``--bf16`` or ``--fp16`` (Megatron's default is fp32); FP8 and ``--tp-comm-overlap`` as
   :mod:`megapipe.emit.precision` spells them.
 
@@ -29,6 +30,7 @@ capability < 10) unless ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`megatron_env`)
 from __future__ import annotations
 
 from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
+from megapipe.emit.moe import megatron_moe_args
 from megapipe.emit.precision import megatron_precision_args
 from megapipe.records import Activation, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
@@ -50,13 +52,18 @@ def recompute_settings(granularity: Recompute) -> dict[str, object]:
 
 
 def family_settings(model: ModelSpec) -> dict[str, object]:
-    """Normalisation, biases and dropout of the model's family, in TransformerConfig names."""
+    """Normalisation, biases and dropout of the model's family, in TransformerConfig names
+    (``model.add_bias_linear`` overrides the family's biases: GPT-OSS)."""
     activation = Activation(model.activation)
     if activation == Activation.swiglu:
-        return {"normalization": "RMSNorm", "add_bias_linear": False, "attention_dropout": 0.0, "hidden_dropout": 0.0}
-    if activation == Activation.squared_relu:  # Nemotron: LayerNorm, no biases, no dropout
-        return {"normalization": "LayerNorm", "add_bias_linear": False, "attention_dropout": 0.0, "hidden_dropout": 0.0}
-    return {"normalization": "LayerNorm", "add_bias_linear": True, "attention_dropout": 0.1, "hidden_dropout": 0.1}
+        family = {"normalization": "RMSNorm", "add_bias_linear": False, "attention_dropout": 0.0, "hidden_dropout": 0.0}
+    elif activation == Activation.squared_relu:  # Nemotron: LayerNorm, no biases, no dropout
+        family = {"normalization": "LayerNorm", "add_bias_linear": False, "attention_dropout": 0.0, "hidden_dropout": 0.0}
+    else:
+        family = {"normalization": "LayerNorm", "add_bias_linear": True, "attention_dropout": 0.1, "hidden_dropout": 0.1}
+    if model.add_bias_linear is not None:
+        family["add_bias_linear"] = bool(model.add_bias_linear)
+    return family
 
 
 def _number(value: float) -> str:
@@ -66,7 +73,7 @@ def _number(value: float) -> str:
 def _shape_args(model: ModelSpec, train: TrainSpec) -> list[str]:
     args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
             "--ffn-hidden-size", str(model.ffn_hidden_size), "--num-attention-heads", str(model.num_attention_heads)]
-    if model.num_query_groups != model.num_attention_heads:
+    if model.num_query_groups != model.num_attention_heads and not model.multi_latent_attention:
         args += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
     args += ["--kv-channels", str(model.head_dim), "--seq-length", str(train.seq_length),
              "--max-position-embeddings", str(max(model.max_position_embeddings or 0, train.seq_length))]
@@ -114,6 +121,7 @@ def megatron_args(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mode
     if parallel.overlap_param_gather and parallel.use_distributed_optimizer:
         args.append("--overlap-param-gather")
     args += _shape_args(model, train)
+    args += megatron_moe_args(model, parallel)
     args += megatron_precision_args(train, parallel)
     return tuple(args)
 

@@ -28,6 +28,7 @@ import enum
 
 from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 from megapipe.emit.megatron import family_settings, recompute_settings
+from megapipe.emit.moe import expert_parallel_config, moe_config
 from megapipe.emit.precision import bridge_precision, nemo1_precision, nemo2_precision
 from megapipe.emit.quoting import format_override
 from megapipe.records import Activation, ModelSpec, ParallelSpec, TrainSpec
@@ -113,6 +114,7 @@ def bridge_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mo
         **_prefixed(transformer, _strategy_settings(layout=layout, parallel=parallel)),
         **_prefixed(transformer, recompute_settings(train.recompute_granularity)),
         **_prefixed(transformer, _transformer_shape(model)),
+        **_prefixed(transformer, {**expert_parallel_config(model, parallel), **moe_config(model, parallel)}),
         **_prefixed("model", _model_shape(model, train)),
         "train.micro_batch_size": train.micro_batch_size,
         "train.global_batch_size": train.global_batch_size,
@@ -131,10 +133,12 @@ def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mod
     """NeMo 2 recipe keys (``nemo llm pretrain`` through NeMo-Run) and values."""
     return {
         **_prefixed("trainer.strategy", _strategy_settings(layout=layout, parallel=parallel)),
+        **_prefixed("trainer.strategy", expert_parallel_config(model, parallel)),
         "trainer.strategy.ddp.overlap_grad_reduce": parallel.overlap_grad_reduce,
         "trainer.strategy.ddp.overlap_param_gather": parallel.use_distributed_optimizer and parallel.overlap_param_gather,
         **_prefixed("model.config", recompute_settings(train.recompute_granularity)),
         **_prefixed("model.config", _transformer_shape(model)),
+        **_prefixed("model.config", moe_config(model, parallel)),
         **_prefixed("model.config", _model_shape(model, train)),
         "data.micro_batch_size": train.micro_batch_size,
         "data.global_batch_size": train.global_batch_size,
@@ -177,6 +181,9 @@ def nemo1_settings(*, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec
     }
     if model.position_embedding_type == "rope":
         settings["++model.rotary_base"] = int(round(model.rotary_base))
+    moe = {**expert_parallel_config(model, parallel), **moe_config(model, parallel)}
+    moe.pop("mtp_num_layers", None)  # NeMo 1 has no MTP (emitted.py warns)
+    settings.update({f"++model.{key}": value for key, value in moe.items()})
     if parallel.use_distributed_optimizer:
         settings["model.optim.name"] = "distributed_fused_adam"
     return settings
