@@ -225,6 +225,36 @@ def test_identical_decoders_exact_by_counts(num_decoders, static, act, vp, num_m
     assert all(used <= stage.memory_bytes for used, stage in zip(part.rank_memory_bytes, stages))
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(1, 3), st.integers(7, 10), st.integers(1, 3), st.integers(2, 5), st.sampled_from([2, 4]),
+    st.integers(20, 120), st.booleans(),
+)
+def test_runs_of_identical_entries_exact_under_coupled_memory(dense, moe, dense_act, moe_static, num_microbatches,
+                                                               cap_units, slow):
+    """A MoE model's profile (embedding, dense layers, MoE layers, MTP, loss) is solved over its runs of
+    identical entries; against brute force on interleaved 1F1B, two ranks (one slower when ``slow``)."""
+    from megapipe.partition.coupled import _runs
+
+    layers = ([_layer(LayerKind.embedding, 0.5, 0.5, 2 * UNIT, UNIT)]
+              + [_layer(LayerKind.decoder, 1.0, 2.0, UNIT, dense_act * UNIT)] * dense
+              + [_layer(LayerKind.decoder, 1.5, 3.0, moe_static * UNIT, 2 * UNIT)] * moe
+              + [_layer(LayerKind.decoder, 2.0, 4.0, moe_static * UNIT, 3 * UNIT)]  # MTP costs like a MoE layer and more
+              + [_layer(LayerKind.loss, 2.0, 2.0, 2 * UNIT, 3 * UNIT)])
+    assert 2 * len(_runs(layers)) < len(layers)  # the run formulation decides
+    stages = [StageSpec(memory_bytes=cap_units * UNIT),
+              StageSpec(time_scale=1.5 if slow else 1.0, memory_bytes=cap_units * UNIT)]
+    best = _coupled_brute(layers, stages, "interleaved_1f1b", num_microbatches, 2)
+    call = dict(num_microbatches=num_microbatches, schedule="interleaved_1f1b", virtual_pipeline_model_parallel_size=2)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve(layers, stages, **call)
+        return
+    part = solve(layers, stages, **call)
+    assert part.bottleneck_ms == pytest.approx(best, rel=1e-9)
+    assert all(used <= stage.memory_bytes * (1 + 1e-9) for used, stage in zip(part.rank_memory_bytes, stages))
+
+
 def test_coupled_memory_accepts_splits_the_per_chunk_shares_rejected():
     """A rank's chunks peak at different moments: the rank holds less than the sum of their peaks, so a split
     that needs exactly the coupled peak fits (the per-chunk share rule, which sums the peaks, refused it)."""

@@ -15,8 +15,11 @@ which couples non-contiguous layout stages. Two exact solvers of the min-max spl
   counts (memory is monotone in the counts, so every total between the smallest and the largest
   is feasible too), and T is feasible exactly when the ranks' largest totals reach the decoder
   count. Binary search over the candidate T values gives the optimum.
-- :func:`milp_split`, for any profile: a mixed-integer program over boundary indicators
-  (HiGHS through ``scipy.optimize.milp``), exact when it finishes within its time limit.
+- :func:`milp_split`, for any profile: a mixed-integer program (HiGHS through ``scipy.optimize.milp``),
+  exact when it finishes within its time limit. A profile made of a few runs of identical entries
+  (a MoE model's embedding, dense layers, MoE layers, MTP and loss) is solved over the runs: each stage
+  boundary picks the run it falls in and an offset inside it, so the program grows with the number of
+  runs, not of entries; any other profile is solved over per-entry boundary indicators.
 """
 
 from __future__ import annotations
@@ -378,7 +381,8 @@ def _bounds_from(problems, owned, high, largest, n, shape: UniformShape, num_sta
 
 # -- any profile -----------------------------------------------------------------------------------
 def milp_split(*, layers: Sequence[LayerCost], stages: Sequence[StageSpec], ranks: Sequence[int],
-               profiles: Sequence[Sequence[Sequence[int]]], time_limit_s: float = 20.0) -> tuple[int, ...] | None:
+               profiles: Sequence[Sequence[Sequence[int]]], time_limit_s: float = 20.0,
+               lower_bound: float = 0.0) -> tuple[int, ...] | None:
     """The min-max split under the coupled rank memory for any profile, as a MILP; None when none fits.
     Raises :class:`Unsolved` when HiGHS stops at ``time_limit_s`` without a split.
 
@@ -386,9 +390,200 @@ def milp_split(*, layers: Sequence[LayerCost], stages: Sequence[StageSpec], rank
     and in s; entry l is in stage s exactly when ``z[s, l] - z[s+1, l] = 1`` (z[0] = 1, z[S] = 0). Each
     stage holds >= 1 entry, ``time_scale * time(s) <= T``, and every rank meets every profile vector.
     """
+    runs = _runs(layers)
+    if 2 * len(runs) < len(layers):
+        return _run_search(layers=layers, runs=runs, stages=stages, ranks=ranks, profiles=profiles,
+                           time_limit_s=time_limit_s, lower_bound=lower_bound)
+    return _entry_milp(layers=layers, stages=stages, ranks=ranks, profiles=profiles, time_limit_s=time_limit_s)
+
+
+def _bottleneck_of(layers, stages, ranks, bounds) -> float:
+    return max(stages[ranks[c]].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in layers[a:b])
+               for c, (a, b) in enumerate(zip(bounds, bounds[1:])))
+
+
+def _run_search(*, layers, runs, stages, ranks, profiles, time_limit_s: float, lower_bound: float
+                ) -> tuple[int, ...] | None:
+    """Binary search for the least bottleneck over the values a bottleneck can take (a contiguous
+    sum of entries' times on some rank's GPU), each step a feasibility program of the run
+    formulation: HiGHS decides "is there a split within T" far faster than it proves the min-max
+    optimal, and the search needs about log2(entries^2) of them."""
+    import time
+
+    deadline = time.perf_counter() + time_limit_s
+
+    model = _RunModel(layers=layers, runs=runs, stages=stages, ranks=ranks, profiles=profiles)
+
+    def feasible(bottleneck: float):
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise Unsolved("time limit reached")
+        return model.solve(bottleneck, left)
+
+    incumbent = feasible(math.inf)  # memory alone
+    if incumbent is None:
+        return None
+    high = _bottleneck_of(layers, stages, ranks, incumbent)
+    prefix = np.concatenate([[0.0], np.cumsum([layer.fwd_ms + layer.bwd_ms for layer in layers])])
+    sums = (prefix[None, :] - prefix[:, None])[np.triu_indices(len(prefix), 1)]
+    scales = sorted({stage.time_scale for stage in stages})
+    values = np.unique(np.concatenate([scale * sums for scale in scales]))
+    values = values[(values >= lower_bound * (1 - 1e-9)) & (values < high * (1 - 1e-9))]
+    if len(values):  # sums equal up to rounding are one value
+        values = values[np.concatenate([[True], np.diff(values) > 1e-9 * values[1:]])]
+    low_index, high_index = 0, len(values)  # values[high_index] stands for `high` (feasible)
+    while low_index < high_index:
+        middle = (low_index + high_index) // 2
+        found = feasible(float(values[middle]) * (1 + 1e-9))
+        if found is None:
+            low_index = middle + 1
+        else:
+            high_index, incumbent = middle, found
+    return incumbent
+
+
+def _runs(layers: Sequence[LayerCost]) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of entries with equal time and bytes."""
+    runs: list[tuple[int, int]] = []
+    previous = None
+    for index, layer in enumerate(layers):
+        key = (layer.fwd_ms + layer.bwd_ms, layer.static_bytes, layer.act_bytes)
+        if runs and key == previous:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((index, 1))
+        previous = key
+    return runs
+
+
+def _solve_milp(cost, rows, cols, data, lower, upper, low, high, integrality, time_limit_s):
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
+    matrix = coo_matrix((data, (rows, cols)), shape=(len(lower), len(cost))).tocsr()
+    result = milp(cost, constraints=LinearConstraint(matrix, lower, upper), integrality=integrality,
+                  bounds=Bounds(low, high), options={"time_limit": time_limit_s})
+    if result.x is None:
+        if result.status == 2:  # proven infeasible
+            return None
+        raise Unsolved(result.message)
+    return result.x
+
+
+class _RunModel:
+    """The run formulation, built once and solved for several bottlenecks.
+
+    Boundary s (the first entry of stage s, s = 1..S-1) lies in run r (binary ``y[s, r]``) at offset
+    ``o[s, r]`` (integer, 0 <= o <= (length_r - 1) y); a prefix sum at the boundary is then exactly
+    ``sum_r prefix(start_r) y[s, r] + value_r o[s, r]``, and a stage's sum is the difference of its
+    two boundaries' prefixes. Rows: one run per boundary, offsets within their run, ascending runs
+    (a cut), every stage non-empty, every stage's time within T, every rank's coupled memory.
+    """
+
+    def __init__(self, *, layers, runs, stages, ranks, profiles):
+        from scipy.sparse import csr_matrix
+
+        count, num_stages, pp = len(layers), len(ranks), len(stages)
+        self.runs, self.num_stages, self.count = runs, num_stages, count
+        num_runs = len(runs)
+        gib = float(1 << 30)  # bytes in GiB keep the memory rows well scaled
+        starts = np.array([start for start, _ in runs])
+        lengths = np.array([length for _, length in runs], dtype=float)
+        values = {
+            "n": np.ones(count),
+            "t": np.array([layer.fwd_ms + layer.bwd_ms for layer in layers]),
+            "s": np.array([layer.static_bytes for layer in layers]) / gib,
+            "a": np.array([layer.act_bytes for layer in layers]) / gib,
+        }
+        prefix = {q: np.concatenate([[0.0], np.cumsum(v)]) for q, v in values.items()}
+        boundaries = num_stages - 1
+        width = 2 * boundaries * num_runs + 1
+        self.width = width
+
+        def row(weights: dict[str, np.ndarray]) -> tuple[np.ndarray, float]:
+            """Coefficients and constant of sum_q sum_s weights[q][s] * (stage s's sum of quantity q)."""
+            out = np.zeros(width)
+            constant = 0.0
+            y_part = np.zeros((boundaries, num_runs))
+            o_part = np.zeros((boundaries, num_runs))
+            for q, w in weights.items():
+                delta = w[:-1] - w[1:]  # boundary s ends stage s-1 (+) and starts stage s (-)
+                y_part += delta[:, None] * prefix[q][starts][None, :]
+                o_part += delta[:, None] * values[q][starts][None, :]
+                constant += w[-1] * prefix[q][count]
+            out[0:width - 1:2] = y_part.ravel()
+            out[1:width - 1:2] = o_part.ravel()
+            return out, constant
+
+        matrix, lower, upper = [], [], []
+        for boundary in range(boundaries):
+            one = np.zeros(width)
+            one[2 * boundary * num_runs:2 * (boundary + 1) * num_runs:2] = 1.0
+            matrix.append(one), lower.append(1.0), upper.append(1.0)
+            for run in range(num_runs):
+                offset = np.zeros(width)
+                offset[2 * (boundary * num_runs + run) + 1] = 1.0
+                offset[2 * (boundary * num_runs + run)] = -(lengths[run] - 1.0)
+                matrix.append(offset), lower.append(-np.inf), upper.append(0.0)
+            if boundary + 1 < boundaries:  # boundaries ascend, so their runs do (a cut)
+                order = np.zeros(width)
+                order[2 * (boundary + 1) * num_runs:2 * (boundary + 2) * num_runs:2] = np.arange(num_runs)
+                order[2 * boundary * num_runs:2 * (boundary + 1) * num_runs:2] = -np.arange(num_runs)
+                matrix.append(order), lower.append(0.0), upper.append(np.inf)
+        for stage in range(num_stages):
+            unit = np.zeros(num_stages)
+            unit[stage] = 1.0
+            coefficients, constant = row({"n": unit})
+            matrix.append(coefficients), lower.append(1.0 - constant), upper.append(np.inf)
+            coefficients, constant = row({"t": unit * stages[ranks[stage]].time_scale})
+            coefficients[width - 1] = -1.0
+            matrix.append(coefficients), lower.append(-np.inf), upper.append(-constant)
+        for rank, owned in enumerate(rank_stages(ranks, pp)):
+            for vector in profiles[rank]:
+                static, act = np.zeros(num_stages), np.zeros(num_stages)
+                static[list(owned)] = 1.0
+                act[list(owned)] = vector
+                coefficients, constant = row({"s": static, "a": act})
+                matrix.append(coefficients), lower.append(-np.inf)
+                upper.append(stages[rank].memory_bytes / gib - constant)
+        self.matrix = csr_matrix(np.array(matrix))
+        self.lower, self.upper = np.array(lower), np.array(upper)
+        self.low, self.high = np.zeros(width), np.ones(width)
+        for boundary in range(boundaries):
+            stage = boundary + 1
+            for run, (start, length) in enumerate(runs):
+                self.high[2 * (boundary * num_runs + run) + 1] = length - 1.0
+                # boundary s lies in [s, count - (S - s)]: every stage before and after it holds an entry
+                if start + length - 1 < stage or start > count - (num_stages - stage):
+                    self.high[2 * (boundary * num_runs + run)] = 0.0
+
+    def solve(self, bottleneck: float | None, time_limit_s: float) -> tuple[int, ...] | None:
+        """A split with every stage's time within ``bottleneck`` (None: the least bottleneck, optimised;
+        ``math.inf``: memory alone); None when none exists."""
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
+        high = self.high.copy()
+        high[-1] = np.inf if bottleneck is None else bottleneck
+        integrality = np.ones(self.width)
+        integrality[-1] = 0
+        cost = np.zeros(self.width)
+        cost[-1] = 1.0 if bottleneck is None else 0.0
+        result = milp(cost, constraints=LinearConstraint(self.matrix, self.lower, self.upper),
+                      integrality=integrality, bounds=Bounds(self.low, high), options={"time_limit": time_limit_s})
+        if result.x is None:
+            if result.status == 2:  # proven infeasible
+                return None
+            raise Unsolved(result.message)
+        x, num_runs = result.x, len(self.runs)
+        bounds = [0]
+        for boundary in range(self.num_stages - 1):
+            run = max(range(num_runs), key=lambda r: x[2 * (boundary * num_runs + r)])
+            bounds.append(self.runs[run][0] + int(round(x[2 * (boundary * num_runs + run) + 1])))
+        return tuple(bounds + [self.count])
+
+
+def _entry_milp(*, layers, stages, ranks, profiles, time_limit_s: float) -> tuple[int, ...] | None:
+    """The per-entry formulation (see :func:`milp_split`)."""
     count, num_stages, pp = len(layers), len(ranks), len(stages)
     width = (num_stages - 1) * count + 1
     rows, cols, data, lower, upper = [], [], [], [], []
@@ -440,7 +635,6 @@ def milp_split(*, layers: Sequence[LayerCost], stages: Sequence[StageSpec], rank
                 for col, value in coefficients.items():
                     total[col] = total.get(col, 0.0) + value
             add(total, -np.inf, stages[rank].memory_bytes - constant)
-    matrix = coo_matrix((data, (rows, cols)), shape=(len(lower), width)).tocsr()
     low, high = np.zeros(width), np.ones(width)
     high[-1] = np.inf
     for stage in range(1, num_stages):
@@ -450,12 +644,9 @@ def milp_split(*, layers: Sequence[LayerCost], stages: Sequence[StageSpec], rank
     integrality[-1] = 0
     cost = np.zeros(width)
     cost[-1] = 1.0
-    result = milp(cost, constraints=LinearConstraint(matrix, lower, upper), integrality=integrality,
-                  bounds=Bounds(low, high), options={"time_limit": time_limit_s})
-    if result.x is None:
-        if result.status == 2:  # proven infeasible
-            return None
-        raise Unsolved(result.message)
-    z = np.round(result.x[:-1]).reshape(num_stages - 1, count)
+    x = _solve_milp(cost, rows, cols, data, lower, upper, low, high, integrality, time_limit_s)
+    if x is None:
+        return None
+    z = np.round(x[:-1]).reshape(num_stages - 1, count)
     bounds = [0] + [int(count - z[stage - 1].sum()) for stage in range(1, num_stages)] + [count]
     return tuple(bounds)

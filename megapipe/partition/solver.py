@@ -164,7 +164,7 @@ def _coupled_bounds(layers, stages, ranks, in_flight, profiles, *, check_memory:
         bounds = uniform_split(shape=shape, stages=stages, ranks=ranks, profiles=profiles, lower_bound=floor)
     else:
         try:
-            bounds = milp_split(layers=layers, stages=stages, ranks=ranks, profiles=profiles)
+            bounds = milp_split(layers=layers, stages=stages, ranks=ranks, profiles=profiles, lower_bound=floor)
         except Unsolved:  # HiGHS found nothing in time: fall back on per-chunk shares (sound, not exact)
             caps = chunk_memory_caps(layers=layers, stages=stages, in_flight=in_flight, ranks=ranks)
             return _optimal_bounds(layers, stages, ranks, in_flight, caps, headroom=False)

@@ -190,9 +190,14 @@ class CandidateBounds:
         for layer, rank in ((layers[0], 0), (layers[-1], last_rank)):
             if layer.kind != LayerKind.decoder:
                 pinned[rank] += layer.static_bytes + least[rank] * layer.act_bytes
-        # The lightest decoder kind (dense or MoE) for every layer: no split holds less.
-        per_layer = [min(d.static_bytes + k * d.act_bytes for d in decoders) for k in least]
-        return water_level(pinned, per_layer, self.costs.model.num_layers)
+        # For each decoder kind d (dense, MoE): the layers at least as heavy as d, each costed as d, must
+        # fit on their own (the other layers only add), so every such water level bounds the fullest rank.
+        decoder_layers = [layer for layer in layers if layer.kind == LayerKind.decoder]
+        return max(
+            water_level(pinned, [d.static_bytes + k * d.act_bytes for k in least],
+                        sum(1 for e in decoder_layers if e.static_bytes >= d.static_bytes and e.act_bytes >= d.act_bytes))
+            for d in decoders
+        )
 
     def split_can_fit(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> bool:
         """False only when the solver would find no split within memory (closed form, no solve).
