@@ -112,6 +112,8 @@ class ModelSpec:
     norm_epsilon: float = 1e-5
     qk_layernorm: bool = False
     """Normalise queries and keys per head (Qwen3; with MLA, the q and kv latents)."""
+    not_modelled: tuple[str, ...] = ()
+    """Features of the real model that are neither costed nor emitted; plans warn about each."""
     add_bias_linear: bool | None = None
     """Biases on every linear layer (Megatron --add-bias-linear); None follows the activation's family
     (gelu: yes, swiglu and squared_relu: no). GPT-OSS sets it with swiglu."""
@@ -146,6 +148,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layer_freq", tuple(int(v) for v in self.moe_layer_freq))
+        object.__setattr__(self, "not_modelled", tuple(str(v) for v in self.not_modelled))
 
     @property
     def head_dim(self) -> int:

@@ -182,6 +182,11 @@ CONFIG_FIELDS = [
     # parallelism
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
     "virtual_pipeline_model_parallel_size", "sequence_parallel", "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    # mixture of experts, MLA, MTP
+    "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+    "moe_layer_freq", "moe_token_dispatcher_type", "moe_grouped_gemm", "multi_latent_attention",
+    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
     "microbatch_group_size_per_vp_stage", "num_layers_in_first_pipeline_stage",
     "num_layers_in_last_pipeline_stage", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split", "tp_comm_overlap", "gradient_accumulation_fusion",
@@ -248,6 +253,11 @@ def run(checkout: str, tokens: list[str], *, vocab_size: int, world_size: int | 
     report["megatron_core_file"] = os.path.dirname(megatron.core.__file__)
     report["megatron_core_version"] = getattr(megatron.core, "__version__", None)
     report["shims"].append(patch_arch(A, device_arch))
+    if has_flag(tokens, "--moe-grouped-gemm"):  # validate_args asks CUDA for the GPU's compute capability
+        import torch
+
+        torch.cuda.get_device_capability = lambda *_: (device_arch, 0)
+        report["shims"].append(f"torch.cuda.get_device_capability := lambda: ({device_arch}, 0) (--moe-grouped-gemm)")
 
     added = added_tokens(tokens + extra, vocab_size) if add else []
     argv = ["pretrain_gpt.py", *tokens, *extra, *added]
@@ -327,7 +337,8 @@ def _expected(plan: dict) -> dict:
         "kv_channels": model["kv_channels"] or model["hidden_size"] // model["num_attention_heads"],
         "gated_linear_unit": model["activation"] == "swiglu",
         "normalization": "RMSNorm" if model["activation"] == "swiglu" else "LayerNorm",
-        "add_bias_linear": model["activation"] == "gelu",
+        "add_bias_linear": (model["activation"] == "gelu" if model.get("add_bias_linear") is None
+                            else bool(model["add_bias_linear"])),
         "tensor_model_parallel_size": par["tensor_model_parallel_size"],
         "pipeline_model_parallel_size": par["pipeline_model_parallel_size"],
         "virtual_pipeline_model_parallel_size": vp if vp > 1 else None,
@@ -342,7 +353,31 @@ def _expected(plan: dict) -> dict:
         "global_batch_size": train["global_batch_size"],
         "untie_embeddings_and_output_weights": model["untie_embeddings_and_output_weights"],
         "decoder_per_stage": best["decoder_layers_per_stage"],
+        **_expected_moe(model, par),
     }
+
+
+def _expected_moe(model: dict, par: dict) -> dict:
+    """The experts, MLA and MTP plan.yaml asks for (nothing for a dense model without them)."""
+    out: dict = {}
+    if model.get("multi_latent_attention"):
+        out.update({key: model[key] for key in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                                "v_head_dim")}, multi_latent_attention=True)
+        out.pop("num_query_groups", None)
+    if model.get("mtp_num_layers"):
+        out["mtp_num_layers"] = model["mtp_num_layers"]
+    if model.get("num_moe_experts"):
+        freq = model.get("moe_layer_freq") or []
+        out.update(
+            num_moe_experts=model["num_moe_experts"], moe_router_topk=model["moe_router_topk"],
+            moe_ffn_hidden_size=model["moe_ffn_hidden_size"] or model["ffn_hidden_size"],
+            moe_shared_expert_intermediate_size=model["moe_shared_expert_intermediate_size"] or None,
+            moe_layer_freq=1 if all(freq) else [int(v) for v in freq],
+            expert_model_parallel_size=par["expert_model_parallel_size"],
+            expert_tensor_parallel_size=par["expert_tensor_parallel_size"],
+            moe_token_dispatcher_type=par["moe_token_dispatcher_type"], moe_grouped_gemm=True,
+        )
+    return out
 
 
 def _compare(report: dict, expected: dict) -> list[str]:

@@ -117,7 +117,7 @@ def run(job: PlanJob, *, directory: str) -> None:
                            node_ranks=node_rank_lines(nodes) if nodes else "",
                            profile=result.profile if isinstance(result.profile, Profile) else None)
     if setup.output.json:
-        print_json({**json_summary(result), "plan_dir": directory, "files": list(files), **extra,
+        print_json({**json_summary(result, moe=setup.model.is_moe), "plan_dir": directory, "files": list(files), **extra,
                     "emitted": emitted.as_dict() if emitted else None,
                     "launch": _launch_line(setup, emitted) if emitted else None})
     else:
@@ -130,11 +130,13 @@ def _launch_line(setup: Setup, emitted) -> str:
     return launch_line(emitted, gpus_per_node=setup.cluster.gpus_per_node, num_nodes=setup.cluster.num_nodes)
 
 
-def _row(label: str, plan) -> list[str]:
+def _row(label: str, plan, *, moe: bool = False) -> list[str]:
     par, train = plan.parallel, plan.train
     shape = (f"{par.tensor_model_parallel_size}/{par.pipeline_model_parallel_size}/{par.data_parallel_size}/"
              f"{par.context_parallel_size}/{par.virtual_pipeline_model_parallel_size}"
              + ("+SP" if par.sequence_parallel and par.tensor_model_parallel_size > 1 else ""))
+    if moe:  # expert parallelism: EP and the experts' TP
+        shape += f" EP{par.expert_model_parallel_size} ETP{par.expert_tp}"
     peak = max(stage.total_bytes for stage in plan.stages) / GIB
     recompute = "/".join(plan.stage_recompute) if plan.stage_recompute else train.recompute_granularity.value
     schedule = f"{plan.schedule} (what-if)" if plan.what_if else str(plan.schedule)
@@ -184,18 +186,20 @@ def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: 
              f"{train.global_batch_size:,} ({train.global_batch_size * train.seq_length / 1e6:,.1f}M tokens), "
              f"{train.precision}")
     table = Table(title=title, title_justify="left")
-    for name in ("", "TP/PP/DP/CP/VP", "schedule", "mbs", "recompute", "tok/s/GPU", "MFU", "bubble", "peak GiB",
+    moe = model.is_moe
+    row = lambda label, plan: _row(label, plan, moe=moe)  # noqa: E731
+    for name in ("", "TP/PP/DP/CP/VP" + (" EP ETP" if moe else ""), "schedule", "mbs", "recompute", "tok/s/GPU", "MFU", "bubble", "peak GiB",
                  "$/1M tok"):
         table.add_column(name, overflow="fold")
     best = result.best
     for index, plan in enumerate(result.plans, start=1):
-        table.add_row(*_row(f"#{index}" + ("*" if plan is best and best is not result.plans[0] else ""), plan))
+        table.add_row(*row(f"#{index}" + ("*" if plan is best and best is not result.plans[0] else ""), plan))
     if best not in result.plans:
-        table.add_row(*_row("run*", best))
+        table.add_row(*row("run*", best))
     if result.baseline is not None:
-        table.add_row(*_row("equal split", result.baseline))
+        table.add_row(*row("equal split", result.baseline))
     if result.reference is not None and setup.search.reference is not None:
-        table.add_row(*_row(setup.search.reference.label, result.reference))
+        table.add_row(*row(setup.search.reference.label, result.reference))
     out = console()
     out.print(table)
     shown = [*result.plans, result.baseline, result.reference]

@@ -107,6 +107,9 @@ class ModelConfig:
     v_head_dim: int = 128
     source: str = ""
     """Where the values come from (the model's config.json, paper or recipe)."""
+    not_modelled: List[str] = field(default_factory=list)
+    """Features of the real model that megapipe neither costs nor emits (GPT-OSS's sliding window and
+    attention sinks); every plan of the model warns about each."""
     config_path: Optional[str] = None
     """A Hugging Face config.json read from disk (model=hf); its values fill the null fields."""
 

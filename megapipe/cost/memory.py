@@ -48,6 +48,7 @@ __all__ = [
     "mtp_activation_bytes",
     "activation_bytes_per_layer",
     "p2p_bytes",
+    "dispatcher_transient_bytes",
 ]
 
 _INDEX_BYTES = 8
@@ -156,3 +157,23 @@ def p2p_bytes(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> 
     """
     shapes = shapes_of(model=model, parallel=parallel, train=train)
     return float(shapes.element_bytes * shapes.norm_tokens * shapes.hidden_size)
+
+
+def dispatcher_transient_bytes(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> float:
+    """Bytes one MoE layer's token dispatch holds only while it runs, beyond the saved activations.
+
+    alltoall: the permuted tokens' send buffer and the receive buffer of one all-to-all (megatron-core
+    ``MoEAlltoAllTokenDispatcher``: ``permute`` then ``all_to_all``), ``2 x expert_tokens x h x e`` times
+    the load imbalance. allgather: the hidden states gathered from every rank of the EP x ETP group
+    before the local permute (``MoEAllGatherTokenDispatcher``), ``tokens x EP x ETP / t x h x e``.
+    0 for a dense model. Megatron frees them after the layer, so they are a transient peak, compared
+    with the memory megapipe leaves free rather than added to every in-flight microbatch.
+    """
+    if not model.is_moe:
+        return 0.0
+    shapes = shapes_of(model=model, parallel=parallel, train=train)
+    e, h = shapes.element_bytes, shapes.hidden_size
+    if parallel.moe_token_dispatcher_type == "allgather":
+        group = parallel.expert_model_parallel_size * parallel.expert_tp
+        return shapes.tokens * group / parallel.tensor_model_parallel_size * h * e
+    return 2 * shapes.expert_tokens * h * e * shapes.moe_load_imbalance

@@ -91,7 +91,7 @@ def megatron_moe_args(model: ModelSpec, parallel: ParallelSpec) -> list[str]:
         if value is True:
             args.append(flag)
         elif name == "moe_layer_freq":
-            args += [flag, moe_layer_freq_expr(tuple(model.moe_layers))]
+            args += [flag, moe_layer_freq_expr(tuple(int(v) for v in model.moe_layers))]
         elif value is not None and value is not False:
             args += [flag, _number(value)]
     return args

@@ -33,6 +33,8 @@ def format_value(value: object, *, quote: bool = False) -> str:
         return str(value)
     if isinstance(value, float):
         return repr(value)  # Hydra types numbers; a quoted one would be a string
+    if isinstance(value, (list, tuple)):  # Hydra's list syntax (moe_layer_freq)
+        return "[" + ",".join(format_value(item, quote=quote) for item in value) + "]"
     text = str(value)
     if not quote and _HYDRA_BARE.fullmatch(text) and text.lower() not in _HYDRA_KEYWORDS:
         return text

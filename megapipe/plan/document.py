@@ -64,10 +64,7 @@ def plan_document(*, result: SearchResult, model: ModelSpec, cluster: ClusterSpe
             "gpus_per_node": cluster.gpus_per_node,
             "rank_order": "tp-cp-dp-pp",
         },
-        "best": best.to_dict(),
-        "plans": [plan.to_dict() for plan in result.plans],
-        "baseline": result.baseline.to_dict() if result.baseline else None,
-        "reference": result.reference.to_dict() if result.reference else None,
+        **_plans(result, moe=model.is_moe),
         "search": _stats(result),
         "inputs": inputs,
     }
@@ -78,13 +75,19 @@ def plan_document(*, result: SearchResult, model: ModelSpec, cluster: ClusterSpe
     return doc
 
 
-def json_summary(result: SearchResult) -> dict:
+def _plans(result: SearchResult, *, moe: bool) -> dict:
+    return {
+        "best": result.best.to_dict(moe=moe),
+        "plans": [plan.to_dict(moe=moe) for plan in result.plans],
+        "baseline": result.baseline.to_dict(moe=moe) if result.baseline else None,
+        "reference": result.reference.to_dict(moe=moe) if result.reference else None,
+    }
+
+
+def json_summary(result: SearchResult, *, moe: bool = False) -> dict:
     """The one JSON object of ``output.format=json``: plans best first, baseline, search stats."""
     return {
-        "best": result.best.to_dict(),
-        "plans": [plan.to_dict() for plan in result.plans],
-        "baseline": result.baseline.to_dict() if result.baseline else None,
-        "reference": result.reference.to_dict() if result.reference else None,
+        **_plans(result, moe=moe),
         "hetero_gain": result.hetero_gain,
         "search": result.stats.to_dict(),
     }

@@ -26,6 +26,7 @@ from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.metrics import plan_record
 from megapipe.plan.per_stage_recompute import per_stage_partition
 from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
+from megapipe.cost.memory import dispatcher_transient_bytes
 from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec, Partition, Profile, StageSpec
 from megapipe.simulate import StageTimes, p2p_cost, simulate, stage_times
@@ -177,5 +178,7 @@ class Evaluator:
                            optimizer_ms=sums.optimizer_ms, cluster=self.cluster, options=self.options,
                            flops_per_token=self.costs.model_flops_per_token(cand.train.seq_length),
                            stage_recompute=prepared.stage_recompute, step_overhead_ms=step_overhead,
-                           breakdown=breakdown)
+                           breakdown=breakdown,
+                           dispatcher_bytes=dispatcher_transient_bytes(model=self.model, parallel=cand.parallel,
+                                                                       train=cand.train))
 

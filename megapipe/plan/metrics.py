@@ -31,7 +31,8 @@ _RECOMPUTE_ORDER = ("none", "selective", "full")
 def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tuple[StageUsage, ...],
                 specs: tuple[StageSpec, ...], sync_ms: float, optimizer_ms: float, cluster: ClusterSpec,
                 options: SearchOptions, flops_per_token: float, stage_recompute: tuple[str, ...] = (),
-                step_overhead_ms: float = 0.0, breakdown: tuple[tuple[str, float], ...] = ()) -> Plan:
+                step_overhead_ms: float = 0.0, breakdown: tuple[tuple[str, float], ...] = (),
+                dispatcher_bytes: float = 0.0) -> Plan:
     """The Plan of one simulated partition: step time, throughput, MFU, memory spread, money, warnings."""
     par, train = cand.parallel, cand.train
     step_s = (sim.step_time_ms + sync_ms + optimizer_ms + step_overhead_ms) / 1e3
@@ -45,7 +46,8 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
     decoder_counts = tuple(sum(1 for kind in kinds if kind == LayerKind.decoder) for kinds in part.stage_kinds)
     warnings = plan_warnings(parallel=par, train=train, cluster=cluster, bubble_fraction=sim.bubble_fraction,
                              num_microbatches=cand.num_microbatches,
-                             bubble_warning_range=options.bubble_warning_range, memory_over_gib=over_gib)
+                             bubble_warning_range=options.bubble_warning_range, memory_over_gib=over_gib,
+                             dispatcher_bytes=dispatcher_bytes)
     if stage_recompute:
         strongest = max(stage_recompute, key=_RECOMPUTE_ORDER.index)
         train = dataclasses.replace(train, recompute_granularity=Recompute(strongest))

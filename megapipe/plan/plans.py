@@ -179,7 +179,8 @@ class Plan:
             self.schedule,
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self, *, moe: bool = False) -> dict:
+        """The plan's record; ``moe`` adds the expert-parallel sizes and the dispatcher."""
         par, train = self.parallel, self.train
         out = {
             "parallel": {
@@ -193,6 +194,11 @@ class Plan:
                 **({"tp_comm_overlap": True} if par.tp_comm_overlap and par.sequence_parallel else {}),
                 **({"microbatch_group_size_per_vp_stage": par.microbatch_group_size_per_vp_stage}
                    if par.microbatch_group_size_per_vp_stage and par.virtual_pipeline_model_parallel_size > 1 else {}),
+                **({"expert_model_parallel_size": par.expert_model_parallel_size,
+                    "expert_tensor_parallel_size": par.expert_tp,
+                    "expert_data_parallel_size": par.expert_data_parallel_size,
+                    "moe_token_dispatcher_type": par.moe_token_dispatcher_type}
+                   if moe else {}),
             },
             "train": {
                 "micro_batch_size": train.micro_batch_size,

@@ -8,11 +8,15 @@
 - Long context (>= 128k tokens) with a deep pipeline: each in-flight microbatch holds
   s-proportional activations on the first stage, which context parallelism shards
   and pipelining does not.
+- MoE token dispatch whose transient buffers (:func:`megapipe.cost.memory.dispatcher_transient_bytes`)
+  exceed the memory left free by ``gpu.usable_memory_fraction``: the plan's memory check does
+  not hold them, so the run may go out of memory inside a MoE layer.
 """
 
 from __future__ import annotations
 
 from megapipe.records import ClusterSpec, ParallelSpec, TrainSpec
+from megapipe.units import GIB
 
 __all__ = ["MAX_PIPELINE_DEPTH", "LONG_CONTEXT", "plan_warnings"]
 
@@ -30,6 +34,7 @@ def plan_warnings(
     num_microbatches: int,
     bubble_warning_range: tuple[float, float] | None = None,
     memory_over_gib: float = 0.0,
+    dispatcher_bytes: float = 0.0,
 ) -> tuple[str, ...]:
     """One short sentence per hazard, in a fixed order."""
     pp = parallel.pipeline_model_parallel_size
@@ -37,6 +42,11 @@ def plan_warnings(
     out: list[str] = []
     if memory_over_gib > 0:
         out.append(f"does not fit: the fullest rank needs {memory_over_gib:.1f} GiB more than usable memory")
+    reserve = min(group.gpu.memory_gib * GIB - group.gpu.usable_memory_bytes for group in cluster.node_groups)
+    if dispatcher_bytes > reserve:
+        out.append(f"MoE token dispatch holds {dispatcher_bytes / GIB:.1f} GiB of transient buffers per layer, more than "
+                   f"the {reserve / GIB:.1f} GiB that gpu.usable_memory_fraction leaves free; lower "
+                   "train.micro_batch_size or gpu.usable_memory_fraction")
     if pp > MAX_PIPELINE_DEPTH:
         out.append(f"pipeline_model_parallel_size={pp} > {MAX_PIPELINE_DEPTH}: deep pipeline, p2p latency dominates")
     if bubble_warning_range is not None and pp > 1:
