@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -28,7 +29,7 @@ from megapipe.config.options import (
     replan_options,
     search_options,
 )
-from megapipe.config.schema import register_configs
+from megapipe.config.schema import ModelConfig, register_configs
 from megapipe.cost.precision import PRECISIONS, check_precision, default_fp8_recipe
 from megapipe.config.validate import (
     MAX_GPUS,
@@ -139,6 +140,12 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "
                              return_hydra_config=return_hydra_config)
 
 
+_NO_DEFAULT = object()
+_MODEL_DEFAULTS = {item.name: item.default for item in dataclasses.fields(ModelConfig)
+                   if item.default is not dataclasses.MISSING}
+"""ModelConfig's defaults: a Hugging Face config.json overrides exactly these."""
+
+
 def _model_spec(node: DictConfig, *, train_seq_length) -> tuple[ModelSpec, str]:
     """The model record, and where the training sequence length comes from (train.seq_length or its default)."""
     fields = {key: node[key] for key in node if key not in ("config_path", "source")}
@@ -147,7 +154,9 @@ def _model_spec(node: DictConfig, *, train_seq_length) -> tuple[ModelSpec, str]:
         raise ConfigError("model=hf needs model.config_path=/path/to/config.json (a local Hugging Face config)")
     if path:
         from_file = read_hf_config(os.path.expanduser(str(path)))
-        explicit = {key: value for key, value in fields.items() if value is not None and key != "name"}
+        # the file fills every field left at its schema default (null, or 0 experts, ...); others win
+        explicit = {key: value for key, value in fields.items()
+                    if key != "name" and value is not None and value != _MODEL_DEFAULTS.get(key, _NO_DEFAULT)}
         fields = {**fields, **from_file, **explicit}
         if fields.get("name") in (None, "hf"):
             fields["name"] = from_file.get("name", "hf")
@@ -356,7 +365,13 @@ def _expert_sizes(model: ModelSpec, values: Mapping, *, tp: int, stage: int, clu
         fits = [d for d in range(1, model.num_moe_experts + 1)
                 if model.num_moe_experts % d == 0 and stage % (d * etp) == 0 and d * etp <= cluster.domain_gpus]
         ep = max(fits, default=1)
-    return positive_int("parallel.expert_model_parallel_size", ep, upper=cluster.num_gpus), etp
+    ep = positive_int("parallel.expert_model_parallel_size", ep, upper=cluster.num_gpus)
+    if model.num_moe_experts % ep:
+        divisors = [d for d in range(1, model.num_moe_experts + 1) if model.num_moe_experts % d == 0]
+        raise ConfigError(f"parallel.expert_model_parallel_size={ep} does not divide model.num_moe_experts="
+                          f"{model.num_moe_experts} (Megatron gives each EP rank the same number of experts); "
+                          f"use one of {divisors}")
+    return ep, etp
 
 
 def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object] | None = None) -> Setup:

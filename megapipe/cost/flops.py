@@ -217,9 +217,15 @@ def model_flops_per_token(model: ModelSpec, seq_length: int, *, causal: bool = T
     without MLA; MLA's ``heads (d_qk + d_rope)`` and ``heads d_v``). With ``causal=True`` only the lower
     triangle of the score matrix is counted, as Megatron-LM does and a causal flash kernel works;
     ``causal=False`` counts the full square (PaLM, Chowdhery et al. 2022, App. B; Narayanan et al. 2021).
-    Sliding-window or chunked attention is charged in full, as Megatron-LM charges it.
+    Sliding-window or chunked attention is charged in full, as Megatron-LM charges it. With MLA,
+    Megatron-LM adds ``6 (r_q + r_kv)`` per layer for the latent norms, and ``6 x 3 h`` per MTP block
+    for its norms; so does this.
     """
     shapes = _whole_model_shapes(model, seq_length)
     layers = model.num_layers + model.mtp_num_layers
     attention = (3.0 if causal else 6.0) * layers * seq_length * (shapes.query_size + shapes.attention_out_size)
-    return 6.0 * matmul_parameter_count(model) + attention
+    # Megatron-LM also counts some norms as one multiply-add per element: MLA's q and kv latent norms,
+    # and each MTP block's three (its hidden and embedding norms and its final norm)
+    norms = 6.0 * layers * ((shapes.q_lora_rank or 0) + shapes.kv_lora_rank) if shapes.mla else 0.0
+    norms += 6.0 * model.mtp_num_layers * 3 * model.hidden_size
+    return 6.0 * matmul_parameter_count(model) + attention + norms
