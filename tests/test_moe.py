@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import pytest
 
@@ -359,11 +358,9 @@ def test_plan_yaml_records_the_expert_sizes(dsv3_dir):
 
 
 def test_features_not_modelled_are_warned_about_loudly(tmp_path):
-    from megapipe.emit import emit  # noqa: F401  (the warnings travel in plan.yaml's emitted section)
     import yaml
 
     out = _plan_dir(tmp_path, "model=gpt_oss_120b", "cluster.num_nodes=8", "train.global_batch_size=256")
     warnings = yaml.safe_load((out / "plan.yaml").read_text())["emitted"]["warnings"]
     assert any(w.startswith("NOT EMITTED") and "sliding-window" in w for w in warnings)
     assert any("attention sinks" in w for w in warnings)
-    assert math.isfinite(len(warnings))

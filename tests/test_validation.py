@@ -12,7 +12,7 @@ from megapipe.config import compose, to_setup
 from megapipe.errors import ConfigError
 from megapipe.io import PUBLIC_RUNS, read_runs
 from megapipe.records import RuntimeSpec
-from megapipe.validation.fit import RunSet, fit_runtime, leave_one_out, with_values
+from megapipe.validation.fit import RunSet, fit_indices, fit_runtime, leave_one_out, with_values
 from megapipe.validation.predict import predict, resolve, run_cluster
 from megapipe.validation.runs import RUNS_FORMAT, runs_from_document
 
@@ -163,7 +163,7 @@ def test_committed_runtime_is_the_fit_on_the_public_runs():
     clusters = _clusters(runs)
     committed = to_setup(compose([])).cluster.runtime
     resolved = [resolve(run, base) for run, base in zip(runs, clusters)]
-    fitted = fit_runtime(RunSet(resolved, clusters), start=committed, max_iter=3)
+    fitted = fit_runtime(RunSet(resolved, clusters), start=committed, max_iter=3, indices=fit_indices(resolved))
     for arch, value in committed.gemm_efficiency_by_architecture:
         assert fitted.runtime.gemm_scale(arch) == pytest.approx(value, rel=1e-2)
     for arch, value in committed.attention_efficiency_by_architecture:

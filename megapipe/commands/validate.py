@@ -24,7 +24,7 @@ from megapipe.config import Setup, compose, to_setup
 from megapipe.errors import ConfigError
 from megapipe.io import PUBLIC_RUNS, atomic_write_text, read_runs, replace_marked_section
 from megapipe.records import ClusterSpec, RuntimeSpec
-from megapipe.validation.fit import DEFAULT_FIT, FIT_FIELDS, RunSet, fit_runtime, leave_one_out
+from megapipe.validation.fit import DEFAULT_FIT, FIT_FIELDS, RunSet, fit_indices, fit_runtime, leave_one_out
 from megapipe.validation.predict import resolve
 from megapipe.validation.report import Row, markdown_table, row_dict, runtime_summary, runtime_yaml, summarise
 from megapipe.validation.runs import PublishedRun
@@ -117,8 +117,9 @@ def _rows(job: ValidateJob) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
         resolved = list(mapper(_resolve, list(zip(job.runs, job.clusters))))
         runs = RunSet(resolved, job.clusters)
         in_use = job.setup.cluster.runtime
-        fitted = fit_runtime(runs, start=in_use, fields=job.fields).runtime
-        loo = leave_one_out(runs, start=fitted, fields=job.fields, mapper=mapper) \
+        fitting = fit_indices(resolved)
+        fitted = fit_runtime(runs, start=in_use, fields=job.fields, indices=fitting).runtime
+        loo = leave_one_out(runs, start=fitted, fields=job.fields, mapper=mapper, indices=fitting) \
             if job.leave_one_out else (None,) * len(runs)
     finally:
         if pool is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from megapipe.plan.plans import Plan, SearchResult
+from megapipe.plan.plans import SearchResult
 from megapipe.records import ClusterSpec, LinkSpec, ModelSpec
 
 __all__ = ["FORMAT", "plan_document", "json_summary"]
@@ -53,7 +53,6 @@ def plan_document(*, result: SearchResult, model: ModelSpec, cluster: ClusterSpe
     ``best`` is the plan to run (the best one megatron-core runs); ``emitted`` is None for a what-if
     plan. ``extra``: where the sequence length came from and, on a mixed cluster, each node rank's GPU.
     """
-    best: Plan = result.best
     doc = {
         "format": FORMAT,
         "model": _model(model),

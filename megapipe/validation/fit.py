@@ -118,6 +118,11 @@ def _residual(runs: RunSet, start: RuntimeSpec, fields: Sequence[str], indices: 
     return residual
 
 
+def fit_indices(resolved: Sequence[Resolved]) -> tuple[int, ...]:
+    """The runs the runtime constants are fitted on: all but those marked validation-only (``fit: false``)."""
+    return tuple(index for index, item in enumerate(resolved) if item.run.fit)
+
+
 def fit_runtime(runs: RunSet, *, start: RuntimeSpec = RuntimeSpec(), fields: Sequence[str] = DEFAULT_FIT,
                 indices: Sequence[int] | None = None, max_iter: int = 30) -> Fitted:
     """The runtime that best predicts the runs at ``indices`` (all by default), starting from ``start``."""
@@ -137,26 +142,31 @@ def fit_runtime(runs: RunSet, *, start: RuntimeSpec = RuntimeSpec(), fields: Seq
 
 
 def leave_one_out(runs: RunSet, *, start: RuntimeSpec, fields: Sequence[str] = DEFAULT_FIT, max_iter: int = 2,
-                  mapper: Callable = map) -> tuple[float, ...]:
+                  mapper: Callable = map, indices: Sequence[int] | None = None) -> tuple[float, ...]:
     """Each run's predicted step time (s) with the runtime refitted without it.
 
-    ``start`` is the fit on every run. Each fold starts from it moved by one Gauss-Newton step without the
+    ``indices``: the runs the fit uses (all by default); a run outside them is never fitted on, so its
+    held-out prediction is the one with ``start``. ``start`` is the fit on those runs. Each fold starts from it moved by one Gauss-Newton step without the
     held-out run (the full fit's Jacobian with that row deleted: the fold's optimum to first order), then
     refits on the other runs by Levenberg-Marquardt. ``mapper`` runs the folds (``map``, or a process pool's).
     """
-    everyone = tuple(range(len(runs)))
+    everyone = tuple(range(len(runs)) if indices is None else indices)
     residual = _residual(runs, start, fields, everyone)
     theta = _to_free(start, fields)
     base = residual(theta)
     full = jacobian(residual, theta, base, step=_STEP)
-    folds = [_Fold(index=index, start=start, fields=tuple(fields), theta=theta, base=base, jacobian=full,
-                   max_iter=max_iter) for index in everyone]
-    return tuple(mapper(functools.partial(_fold_prediction, runs), folds))
+    folds = [_Fold(index=index, rows=everyone, start=start, fields=tuple(fields), theta=theta, base=base,
+                   jacobian=full, max_iter=max_iter) for index in everyone]
+    held_out = dict(zip(everyone, mapper(functools.partial(_fold_prediction, runs), folds)))
+    return tuple(held_out[index] if index in held_out else runs.plan(index, start).step_time_s
+                 for index in range(len(runs)))
 
 
 @dataclass(frozen=True, slots=True)
 class _Fold:
     index: int
+    rows: tuple[int, ...]
+    """The fitted runs, in the Jacobian's row order."""
     start: RuntimeSpec
     fields: tuple[str, ...]
     theta: np.ndarray
@@ -166,9 +176,10 @@ class _Fold:
 
 
 def _fold_prediction(runs: RunSet, fold: _Fold) -> float:
-    rest = [other for other in range(len(runs)) if other != fold.index]
-    u, singular, vt = kept_directions(fold.jacobian[rest])
-    shift = -vt.T @ ((u.T @ fold.base[rest]) / singular) if singular.size else np.zeros_like(fold.theta)
+    rest = [other for other in fold.rows if other != fold.index]
+    kept = [row for row, other in enumerate(fold.rows) if other != fold.index]
+    u, singular, vt = kept_directions(fold.jacobian[kept])
+    shift = -vt.T @ ((u.T @ fold.base[kept]) / singular) if singular.size else np.zeros_like(fold.theta)
     fold_start = _from_free(fold.start, fold.fields, fold.theta + shift)
     fitted = fit_runtime(runs, start=fold_start, fields=fold.fields, indices=rest, max_iter=fold.max_iter).runtime
     return runs.plan(fold.index, fitted).step_time_s

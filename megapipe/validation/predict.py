@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megapipe.errors import MegapipeError
+from megapipe.errors import InfeasibleError, MegapipeError
 from megapipe.plan.evaluator import Evaluator
 from megapipe.plan.plans import Candidate, Plan, SearchOptions
 from megapipe.plan.search import search
@@ -84,9 +84,18 @@ def _fixed(run: PublishedRun) -> dict[str, object]:
     return fixed
 
 
+def _evaluate(evaluator: Evaluator, cand: Candidate) -> Plan:
+    """Megatron's default equal split; where the decoders cannot fill the stages equally (the run gave a
+    layout with the embedding and loss in stages of their own), megapipe's optimal split stands in."""
+    try:
+        return evaluator.evaluate(cand, method="equal", check_memory=False)
+    except InfeasibleError:
+        return evaluator.evaluate(cand, method="optimal", check_memory=False)
+
+
 def _fits(run: PublishedRun, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec) -> bool:
     evaluator = Evaluator(model=run.model, cluster=cluster, options=SearchOptions(ignore_memory_limit=True))
-    return evaluator.evaluate(candidate_of(parallel, train), method="equal", check_memory=False).feasible
+    return _evaluate(evaluator, candidate_of(parallel, train)).feasible
 
 
 def _ranked(run: PublishedRun, cluster: ClusterSpec, *, ignore_memory: bool) -> list[Plan]:
@@ -135,4 +144,4 @@ def predict(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None 
     """
     evaluator = Evaluator(model=resolved.run.model, cluster=cluster, options=SearchOptions(ignore_memory_limit=True),
                           schedules=schedules)
-    return evaluator.evaluate(candidate_of(resolved.parallel, resolved.train), method="equal", check_memory=False)
+    return _evaluate(evaluator, candidate_of(resolved.parallel, resolved.train))

@@ -67,8 +67,12 @@ def _group(rows: Sequence[Row], label: str) -> Summary:
 
 
 def summarise(rows: Sequence[Row]) -> tuple[Summary, ...]:
-    """All runs, then per precision, then per cluster."""
+    """All runs; dense and MoE where both appear; then per precision, then per cluster."""
     out = [_group(rows, "all")]
+    moe = [row for row in rows if row.resolved.run.model.is_moe]
+    if moe and len(moe) < len(rows):
+        out.append(_group([row for row in rows if not row.resolved.run.model.is_moe], "dense"))
+        out.append(_group(moe, "moe"))
     for key in ("precision", "cluster"):
         for value in sorted({getattr(row.resolved.run, key) for row in rows}):
             out.append(_group([row for row in rows if getattr(row.resolved.run, key) == value], value))

@@ -53,6 +53,8 @@ class PublishedRun:
     how: str
     verified: bool = True
     assumptions: tuple[str, ...] = ()
+    fit: bool = True
+    """Used to fit the runtime constants; False keeps a run for validation only (its reason in assumptions)."""
 
     @property
     def precision(self) -> str:
@@ -65,7 +67,30 @@ def _get(node: Mapping, key: str, where: str):
     return node[key]
 
 
+def _preset(node: Mapping, where: str) -> ModelSpec:
+    """A run of a model megapipe has a preset for (the MoE runs): ``preset`` names ``hydra_conf/model``'s
+    option, and any other key overrides the preset's field of that name."""
+    import dataclasses
+
+    from megapipe.config import compose, to_setup
+
+    overrides = {key: value for key, value in node.items() if key != "preset"}
+    try:
+        model = to_setup(compose([f"model={node['preset']}"])).model
+    except ConfigError as error:
+        raise ConfigError(f"{where}.model.preset={node['preset']!r}: {error}") from None
+    names = {item.name for item in dataclasses.fields(ModelSpec)}
+    bad = sorted(set(overrides) - names)
+    if bad:
+        raise ConfigError(f"{where}.model has unknown keys {bad}; use ModelSpec's (Megatron's) names")
+    model = dataclasses.replace(model, **overrides)
+    check_model(model)
+    return model
+
+
 def _model(node: Mapping, where: str) -> ModelSpec:
+    if "preset" in node:
+        return _preset(node, where)
     unknown = sorted(set(node) - set(_MODEL_KEYS))
     if unknown:
         raise ConfigError(f"{where}.model has unknown keys {unknown}; use Megatron's names {list(_MODEL_KEYS)}")
@@ -119,6 +144,9 @@ def _run(node: Mapping, index: int) -> PublishedRun:
         use_distributed_optimizer=bool(parallel.get("use_distributed_optimizer", True)),
         overlap_grad_reduce=bool(parallel.get("overlap_grad_reduce", True)),
         overlap_param_gather=bool(parallel.get("overlap_param_gather", True)),
+        expert_model_parallel_size=int(parallel.get("expert_model_parallel_size") or 1),
+        expert_tensor_parallel_size=int(parallel.get("expert_tensor_parallel_size") or 0),
+        moe_token_dispatcher_type=str(parallel.get("moe_token_dispatcher_type") or "alltoall"),
     )
     mbs = train.get("micro_batch_size")
     recompute = train.get("recompute_granularity")
@@ -128,6 +156,7 @@ def _run(node: Mapping, index: int) -> PublishedRun:
         seq_length=positive_int(f"{where}.train.seq_length", train.get("seq_length") or model.seq_length),
         recompute_granularity=Recompute(recompute or "none"), precision=precision, fp8_recipe=recipe,
         fp8_param_gather=bool(train.get("fp8_param_gather") or False),
+        moe_load_imbalance=float(train.get("moe_load_imbalance") or 1.0),
     )
     stated = {"micro_batch_size": mbs, "virtual_pipeline_model_parallel_size": vp, "sequence_parallel": sp,
               "recompute_granularity": recompute}
@@ -149,6 +178,7 @@ def _run(node: Mapping, index: int) -> PublishedRun:
         schedule=str(schedule or ""),
         how=str(measured.get("how", "")), verified=bool(node.get("verified", True)),
         assumptions=tuple(str(item) for item in node.get("assumptions") or ()),
+        fit=bool(node.get("fit", True)),
     )
 
 
