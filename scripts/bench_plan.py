@@ -1,4 +1,5 @@
-"""Benchmark the planner: full search for llama3_70b on 128 H100s (16 x 8), seq 8192, global batch 256.
+"""Benchmark the planner: full search for llama3_70b on 128 H100s (16 x 8), seq 8192, global batch 256;
+with ``--moe``, DeepSeek-V3 on 1,024 H100s (128 x 8), seq 4096, global batch 8192, expert parallelism searched.
 
 Prints, on one core (CPU time of this single-threaded process; wall clock alongside):
 
@@ -13,7 +14,7 @@ Prints, on one core (CPU time of this single-threaded process; wall clock alongs
   simulated) on a random sample, extrapolated to the whole space; and the ratios of (a) and
   (b) to it and to Calculon's published 433 configs/s/core.
 
-    python scripts/bench_plan.py [--sample 40] [--exact 200] [--repeats 3]
+    python scripts/bench_plan.py [--sample 40] [--exact 200] [--repeats 3] [--moe]
 """
 
 from __future__ import annotations
@@ -107,8 +108,13 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=40, help="candidates for the naive yardstick")
     parser.add_argument("--exact", type=int, default=200, help="candidates for the exact-evaluation rate")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--moe", action="store_true",
+                        help="DeepSeek-V3 (MLA, 256 experts, MTP) on 1,024 H100 (128 x 8), global batch 8192, EP searched")
     args = parser.parse_args()
-    cfg = compose(["model=llama3_70b", "cluster=h100_80gb", "train.seq_length=8192", "train.global_batch_size=256"])
+    if args.moe:
+        cfg = compose(["model=deepseek_v3", "cluster=h100_80gb", "cluster.num_nodes=128", "train.global_batch_size=8192"])
+    else:
+        cfg = compose(["model=llama3_70b", "cluster=h100_80gb", "train.seq_length=8192", "train.global_batch_size=256"])
     setup = to_setup(cfg, search=True)
     fixed = setup.fixed
     options = setup.search
