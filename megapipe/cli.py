@@ -35,6 +35,7 @@ commands: {', '.join(COMMANDS)}
   megapipe calibrate PROFILE [PROFILE ...]       fit the cost model's efficiency to measurements
   megapipe replan RUN_DIR                        re-partition from a monitored run
   megapipe validate [RUNS.yaml]                  predicted against measured step time of published runs
+  megapipe pack                                  share a cluster between jobs: nodes, GPU type and plan per job
 Config groups live in hydra_conf/ (model=, cluster=, parallel=, train=, schedule=, search=, output=).
 Add your own with hydra.searchpath=[file:///your/conf]. `megapipe COMMAND --help` shows a command's help;
 `megapipe COMMAND --hydra-help` Hydra's."""

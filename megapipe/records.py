@@ -524,3 +524,23 @@ class Partition:
     def rank_stage_peaks_bytes(self) -> tuple[float, ...]:
         """Each pipeline rank's stages' own peaks, summed: what rank_memory_bytes would be if they peaked together."""
         return self._rank_sums(self.stage_memory_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSpec:
+    """One training job of a shared cluster (``megapipe pack``): what it trains and what it must achieve."""
+
+    name: str
+    model: ModelSpec
+    train: TrainSpec
+    """Global batch, sequence length and precision (micro-batch and recompute are searched)."""
+    tokens: float = 0.0
+    """Token budget; 0 means none (the job is scored by throughput only)."""
+    deadline_hours: float | None = None
+    weight: float = 1.0
+    """How much a model FLOP of this job counts against the others'."""
+    gpu: str | None = None
+    """The GPU type (a node group's ``gpu.name``) the job is pinned to; None: any group."""
+    max_micro_batch_size: int | None = None
+    arrives_later: bool = False
+    """Held out of the first packing; the what-if adds it."""

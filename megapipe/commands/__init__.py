@@ -5,4 +5,4 @@ its files under the Hydra output directory, and raises :class:`~megapipe.errors.
 for bad input; ``megapipe.cli`` turns that into one line on stderr and exit code 2.
 """
 
-COMMANDS = ("plan", "partition", "simulate", "report", "profile", "calibrate", "replan", "validate")
+COMMANDS = ("plan", "partition", "simulate", "report", "profile", "calibrate", "replan", "validate", "pack")

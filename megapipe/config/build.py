@@ -462,7 +462,7 @@ def recorded_inputs(cfg: DictConfig) -> dict:
     """The resolved config as plain data, without hydra's and output's groups: what a plan records it was made from."""
     inputs = {}
     for key in cfg:
-        if key in ("hydra", "output", "validate"):  # how the run was launched and printed, not what was planned
+        if key in ("hydra", "output", "validate", "jobs", "pack"):  # how the run was launched, not what was planned
             continue
         value = cfg[key]
         if isinstance(value, DictConfig | ListConfig):

@@ -310,6 +310,63 @@ class ValidateConfig:
 
 
 @dataclass
+class JobConfig:
+    """One training job of a shared cluster (`megapipe pack`)."""
+
+    name: str = MISSING
+    model: str = MISSING
+    """A hydra_conf/model option (llama3_70b, mixtral_8x7b, ...)."""
+    global_batch_size: int = MISSING
+    seq_length: Optional[int] = None
+    """null: the model's default training length."""
+    precision: str = "bf16"
+    tokens: Optional[float] = None
+    """The token budget (training tokens to process); null: none (throughput only)."""
+    deadline_hours: Optional[float] = None
+    """Wall-clock hours in which the token budget must be done (objective deadlines)."""
+    weight: float = 1.0
+    """How much a FLOP of this job counts against the others'."""
+    gpu: Optional[str] = None
+    """Pin the job to this GPU type (a node group's gpu.name); null: any group."""
+    max_micro_batch_size: Optional[int] = None
+    """Largest micro-batch the job may use; null: the search's list."""
+    arrives_later: bool = False
+    """Left out of the first packing; added by the what-if `pack.arrive=true`."""
+
+
+@dataclass
+class JobsConfig:
+    """A list of jobs (hydra_conf/jobs/)."""
+
+    name: str = ""
+    description: str = ""
+    jobs: List[JobConfig] = field(default_factory=list)
+
+
+@dataclass
+class PackConfig:
+    """`megapipe pack`: objective, node counts, baselines and what-ifs."""
+
+    objective: str = "throughput"
+    """throughput (weighted model FLOP/s), makespan (finish every token budget soonest) or deadlines."""
+    node_counts: Optional[List[int]] = None
+    """Node counts a job may get; null: the powers of two up to each group's size, and its size."""
+    baseline_pipeline_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """The fixed-depth baseline packs every job at one of these pipeline sizes (the best one is shown)."""
+    fail_group: Optional[str] = None
+    """What-if: the node group of this GPU type fails; the jobs are repacked with the fewest moves."""
+    fail_nodes: int = 0
+    """What-if: this many nodes of the largest group fail."""
+    arrive: bool = False
+    """What-if: the jobs marked arrives_later join; repacked with the fewest moves."""
+    move_slack: float = 0.0
+    """What-if: accept an objective this fraction below the optimum to move fewer jobs."""
+    restart_minutes: float = 10.0
+    """When a job finishes, the others are repacked onto the nodes; a job that changes nodes idles this long
+    (checkpoint, restart, reload)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     cluster: ClusterConfig = MISSING
@@ -320,6 +377,8 @@ class Config:
     search: SearchConfig = field(default_factory=SearchConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
+    pack: PackConfig = field(default_factory=PackConfig)
     profile: Optional[str] = None
     """A megapipe-profile/1 file used instead of the cost model."""
     stage_times: Optional[List[List[Any]]] = None
@@ -342,3 +401,4 @@ def register_configs() -> None:
     store.store(group="schedule", name="base_schedule", node=ScheduleConfig)
     store.store(group="search", name="base_search", node=SearchConfig)
     store.store(group="output", name="base_output", node=OutputConfig)
+    store.store(group="jobs", name="base_jobs", node=JobsConfig)

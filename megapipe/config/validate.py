@@ -29,7 +29,7 @@ _GROUPS = {
     "model": schema.ModelConfig, "cluster": schema.ClusterConfig, "runtime": schema.RuntimeConfig,
     "parallel": schema.ParallelConfig,
     "train": schema.TrainConfig, "schedule": schema.ScheduleConfig, "search": schema.SearchConfig,
-    "output": schema.OutputConfig, "validate": schema.ValidateConfig,
+    "output": schema.OutputConfig, "validate": schema.ValidateConfig, "pack": schema.PackConfig,
 }
 _NESTED = {("cluster", "gpu"): schema.GpuConfig, ("cluster", "intra_node"): schema.LinkConfig,
            ("cluster", "inter_node"): schema.LinkConfig}

@@ -1,0 +1,145 @@
+"""The ``jobs`` and ``pack`` groups become records: the jobs of a shared cluster and how to pack them.
+
+Validated once here (``megapipe pack``): duplicate or empty names, unknown model presets, GPU types no
+node group has, token budgets and deadlines the objective needs, node counts, weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from megapipe.config.validate import positive_int
+from megapipe.errors import ConfigError
+from megapipe.records import ClusterSpec, JobSpec
+
+__all__ = ["OBJECTIVES", "PackOptions", "jobs_of", "pack_options"]
+
+OBJECTIVES = ("throughput", "makespan", "deadlines")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackOptions:
+    objective: str = "throughput"
+    node_counts: tuple[int, ...] | None = None
+    baseline_pipeline_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    fail_group: str | None = None
+    fail_nodes: int = 0
+    arrive: bool = False
+    move_slack: float = 0.0
+    restart_minutes: float = 10.0
+
+
+def _number(key: str, value, *, low: float = 0.0, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            value < low or (value == low and not allow_zero):
+        bound = f">= {low}" if allow_zero else f"> {low}"
+        raise ConfigError(f"{key}={value!r} must be a number {bound}")
+    return float(value)
+
+
+def _model_and_train(job: DictConfig, where: str, cache: dict):
+    from megapipe.config.build import compose, to_setup
+
+    key = (str(job.model), job.get("seq_length"), str(job.get("precision") or "bf16"), int(job.global_batch_size))
+    if key not in cache:
+        overrides = [f"model={job.model}", f"train.global_batch_size={job.global_batch_size}",
+                     f"train.precision={job.get('precision') or 'bf16'}"]
+        if job.get("seq_length") is not None:
+            overrides.append(f"train.seq_length={job.seq_length}")
+        try:
+            setup = to_setup(compose(overrides), search=True)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}") from None
+        except Exception as error:  # Hydra: an unknown model option
+            if "model" in str(error) and ("not found" in str(error) or "Could not find" in str(error)):
+                raise ConfigError(f"{where}.model={job.model!r} is no hydra_conf/model option; use one of the "
+                                  "model presets (llama3_8b, llama3_70b, mixtral_8x7b, ...)") from None
+            raise ConfigError(f"{where}: {error}") from None
+        cache[key] = (setup.model, setup.train)
+    return cache[key]
+
+
+def jobs_of(cfg: DictConfig, cluster: ClusterSpec) -> tuple[JobSpec, ...]:
+    """The ``jobs.jobs`` list as records; ConfigError naming the job and the field on bad input."""
+    raw = cfg.jobs.get("jobs") if isinstance(cfg.get("jobs"), DictConfig) else None
+    if not isinstance(raw, ListConfig) or len(raw) == 0:
+        raise ConfigError("jobs.jobs is empty; pick a job list (jobs=lab_mix) or give jobs.jobs=[{name: ..., "
+                          "model: ..., global_batch_size: ...}]")
+    gpus = sorted({group.gpu.name for group in cluster.node_groups})
+    cache: dict = {}
+    jobs, names = [], set()
+    for index, job in enumerate(raw):
+        name = str(job.get("name") or "")
+        where = f"jobs.jobs[{index}] ({name or '?'})"
+        if not name:
+            raise ConfigError(f"jobs.jobs[{index}] has no name; give every job a unique name")
+        if not _NAME.fullmatch(name):
+            raise ConfigError(f"{where}: name {name!r} must be letters, digits, '_', '-' or '.' (it names the job's "
+                              "plan directory)")
+        if name in names:
+            raise ConfigError(f"jobs: the name {name!r} appears more than once; give every job a unique name")
+        names.add(name)
+        if not job.get("model"):
+            raise ConfigError(f"{where} has no model; name a hydra_conf/model option")
+        positive_int(f"{where}.global_batch_size", job.get("global_batch_size"), upper=1 << 30)
+        gpu = job.get("gpu")
+        if gpu is not None and str(gpu) not in gpus:
+            raise ConfigError(f"{where}.gpu={gpu!r} is no GPU type of cluster {cluster.name!r}; use one of {gpus}")
+        model, train = _model_and_train(job, where, cache)
+        tokens = job.get("tokens")
+        deadline = job.get("deadline_hours")
+        mbs = job.get("max_micro_batch_size")
+        jobs.append(JobSpec(
+            name=name, model=model, train=train,
+            tokens=0.0 if tokens is None else _number(f"{where}.tokens", tokens),
+            deadline_hours=None if deadline is None else _number(f"{where}.deadline_hours", deadline),
+            weight=_number(f"{where}.weight", job.get("weight", 1.0)),
+            gpu=None if gpu is None else str(gpu),
+            max_micro_batch_size=None if mbs is None else positive_int(f"{where}.max_micro_batch_size", mbs),
+            arrives_later=bool(job.get("arrives_later", False)),
+        ))
+    if all(job.arrives_later for job in jobs):
+        raise ConfigError("every job has arrives_later=true; at least one job must be packed first")
+    return tuple(jobs)
+
+
+def pack_options(cfg: DictConfig, jobs: tuple[JobSpec, ...]) -> PackOptions:
+    node = cfg.get("pack")
+    options = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else {}
+    objective = str(options.get("objective", "throughput"))
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"pack.objective={objective!r}; use one of {', '.join(OBJECTIVES)}")
+    if objective in ("makespan", "deadlines"):
+        lacking = [job.name for job in jobs if job.tokens <= 0]
+        if lacking:
+            raise ConfigError(f"pack.objective={objective} needs a token budget for every job; {lacking} have none "
+                              "(set tokens: for them)")
+    if objective == "deadlines":
+        lacking = [job.name for job in jobs if job.deadline_hours is None]
+        if lacking:
+            raise ConfigError(f"pack.objective=deadlines needs deadline_hours for every job; {lacking} have none")
+    counts = options.get("node_counts")
+    if counts is not None:
+        counts = tuple(sorted({positive_int("pack.node_counts[]", count, upper=1 << 20) for count in counts}))
+        if not counts:
+            raise ConfigError("pack.node_counts is empty; give node counts such as [1, 2, 4, 8] or null")
+    sizes = tuple(sorted({positive_int("pack.baseline_pipeline_sizes[]", size, upper=1024)
+                          for size in options.get("baseline_pipeline_sizes") or (1, 2, 4, 8)}))
+    fail_nodes = options.get("fail_nodes") or 0
+    if isinstance(fail_nodes, bool) or not isinstance(fail_nodes, int) or fail_nodes < 0:
+        raise ConfigError(f"pack.fail_nodes={fail_nodes!r} must be an int >= 0")
+    slack = _number("pack.move_slack", options.get("move_slack", 0.0), allow_zero=True)
+    if slack >= 1:
+        raise ConfigError(f"pack.move_slack={slack} must lie in [0, 1)")
+    arrive = bool(options.get("arrive", False))
+    if arrive and not any(job.arrives_later for job in jobs):
+        raise ConfigError("pack.arrive=true but no job has arrives_later: true; mark the arriving job")
+    restart = _number("pack.restart_minutes", options.get("restart_minutes", 10.0), allow_zero=True)
+    return PackOptions(objective=objective, node_counts=counts, baseline_pipeline_sizes=sizes,
+                       fail_group=options.get("fail_group"), fail_nodes=int(fail_nodes), arrive=arrive,
+                       move_slack=slack, restart_minutes=restart)

@@ -1,0 +1,111 @@
+"""Each job's throughput against its node count: one planner search per (job shape, node group, node count).
+
+A job runs on the nodes of one node group (one GPU type); on ``n`` of them it gets the planner's best plan
+for that sub-cluster (same links and runtime, ``n`` nodes). Jobs of one shape (model, batch, sequence,
+precision, micro-batch limit) share their curve, so a list of jobs costs one search per shape and point.
+With ``pipeline_model_parallel_size`` fixed the curve is the fixed-depth baseline's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from megapipe.cost import model_flops_per_token
+from megapipe.errors import MegapipeError
+from megapipe.plan.plans import Plan, SearchOptions, SearchResult
+from megapipe.plan.search import search
+from megapipe.records import ClusterSpec, JobSpec, NodeGroup
+
+__all__ = ["Option", "CurveCache", "default_node_counts", "job_options", "sub_cluster"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Option:
+    """A job on ``nodes`` nodes of node group ``group``, with the planner's best plan there."""
+
+    group: int
+    nodes: int
+    tokens_per_s: float
+    flops_per_s: float
+    """Model FLOP/s as Megatron-LM counts them (tokens/s x FLOPs per token)."""
+    plan: Plan = field(compare=False, repr=False)
+    result: SearchResult = field(compare=False, repr=False)
+
+    @property
+    def pipeline_model_parallel_size(self) -> int:
+        return self.plan.parallel.pipeline_model_parallel_size
+
+    def hours(self, tokens: float) -> float:
+        """Wall-clock hours to process ``tokens``."""
+        return tokens / self.tokens_per_s / 3600.0
+
+
+def default_node_counts(num_nodes: int) -> tuple[int, ...]:
+    """The powers of two below ``num_nodes``, and ``num_nodes`` itself."""
+    counts, power = [], 1
+    while power < num_nodes:
+        counts.append(power)
+        power *= 2
+    return (*counts, num_nodes)
+
+
+def sub_cluster(cluster: ClusterSpec, group: int, nodes: int) -> ClusterSpec:
+    """``nodes`` nodes of node group ``group`` as a cluster of their own (links and runtime kept)."""
+    return dataclasses.replace(cluster, name=f"{cluster.name}[{cluster.node_groups[group].gpu.name} x {nodes}]",
+                               node_groups=(NodeGroup(gpu=cluster.node_groups[group].gpu, num_nodes=nodes),))
+
+
+_CURVE_OPTIONS = SearchOptions(top_k=1)
+
+
+@dataclass
+class CurveCache:
+    """Search results by (job shape, group, nodes, fixed pipeline size); None where nothing fits."""
+
+    cluster: ClusterSpec
+    options: SearchOptions = _CURVE_OPTIONS
+    found: dict = field(default_factory=dict)
+    searches: int = 0
+
+    def best(self, job: JobSpec, group: int, nodes: int, pipeline: int | None = None) -> SearchResult | None:
+        key = (job.model, job.train, job.max_micro_batch_size, group, nodes, pipeline)
+        if key not in self.found:
+            self.searches += 1
+            options = self.options
+            if job.max_micro_batch_size is not None:
+                sizes = tuple(size for size in options.micro_batch_sizes if size <= job.max_micro_batch_size)
+                options = dataclasses.replace(options, micro_batch_sizes=sizes or (job.max_micro_batch_size,))
+            fixed = {} if pipeline is None else {"pipeline_model_parallel_size": pipeline}
+            try:
+                self.found[key] = search(model=job.model, cluster=sub_cluster(self.cluster, group, nodes),
+                                         train=job.train, fixed=fixed, options=options)
+            except MegapipeError:
+                self.found[key] = None
+        return self.found[key]
+
+
+def job_groups(job: JobSpec, cluster: ClusterSpec) -> tuple[int, ...]:
+    """The node groups a job may run on: its pinned GPU type's, else all."""
+    return tuple(index for index, group in enumerate(cluster.node_groups) if job.gpu in (None, group.gpu.name))
+
+
+def job_options(job: JobSpec, cache: CurveCache, *, node_counts: Sequence[int] | None = None,
+                capacities: Sequence[int] | None = None, pipeline: int | None = None) -> tuple[Option, ...]:
+    """Every (group, node count) on which the job has a plan, with that plan's throughput."""
+    cluster = cache.cluster
+    capacities = tuple(group.num_nodes for group in cluster.node_groups) if capacities is None else tuple(capacities)
+    flops_per_token = model_flops_per_token(job.model, job.train.seq_length)
+    out = []
+    for group in job_groups(job, cluster):
+        limit = capacities[group]
+        counts = default_node_counts(cluster.node_groups[group].num_nodes) if node_counts is None else node_counts
+        for nodes in sorted({count for count in counts if count <= limit}):
+            result = cache.best(job, group, nodes, pipeline)
+            if result is None or not result.best.feasible:
+                continue
+            plan = result.best
+            out.append(Option(group=group, nodes=nodes, tokens_per_s=plan.tokens_per_s,
+                              flops_per_s=plan.tokens_per_s * flops_per_token, plan=plan, result=result))
+    return tuple(out)

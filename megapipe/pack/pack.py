@@ -1,0 +1,318 @@
+"""``megapipe pack``: the jobs' options from the planner, the exact packing, the baselines, the what-ifs.
+
+Policies, each scored the same way (:class:`Policy`):
+
+- **packed**: :func:`megapipe.pack.solve.solve_milp` over every job's (group, node count) curve;
+- **fixed depth**: the same packing with every job at one pipeline size (each of
+  ``baseline_pipeline_sizes`` tried; the best shown): is tuning the depth per job worth it?
+- **one after another**: each job alone on the whole cluster at its best, the jobs in turn
+  (earliest deadline first), every node idle between nothing;
+- **even split**: every job gets an equal share of the nodes (its largest node count within the share).
+
+Concurrent policies run every job at once on its own nodes; their FLOP/s are the sum over jobs and the
+makespan the slowest job's. The sequential policy's FLOP/s are the time average over its makespan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from megapipe.config.jobs import PackOptions
+from megapipe.errors import ConfigError, InfeasibleError
+from megapipe.pack.curves import CurveCache, Option, job_groups, job_options
+from megapipe.pack.solve import solve_milp
+from megapipe.records import ClusterSpec, JobSpec
+
+__all__ = ["Policy", "PackResult", "pack_jobs", "peak_flops"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """How a policy places the jobs, and what it achieves."""
+
+    name: str
+    options: tuple[Option | None, ...]
+    """Per job its option; None where the policy cannot place the job."""
+    weighted_flops_per_s: float
+    utilisation: float
+    """Model FLOP/s over the whole cluster's peak (idle nodes count)."""
+    makespan_h: float
+    """Hours until every token budget is done (inf when a job is not placed)."""
+    deadlines_met: int
+    met_weight: float
+    note: str = ""
+    order: tuple[int, ...] = ()
+    """The sequential policy's job order."""
+    finish_h: tuple[float, ...] = ()
+    """With repacking when a job finishes (every job has a token budget): each job's finish time."""
+    average_utilisation: float | None = None
+    """Model FLOPs done over the cluster's peak x the makespan, repacking as jobs finish."""
+    repacks: int = 0
+    restarts: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackResult:
+    jobs: tuple[JobSpec, ...]
+    capacities: tuple[int, ...]
+    objective: str
+    packed: Policy
+    baselines: tuple[Policy, ...]
+    what_if: Policy | None = None
+    what_if_jobs: tuple[JobSpec, ...] = ()
+    what_if_capacities: tuple[int, ...] = ()
+    moves: int = 0
+    moved: tuple[str, ...] = ()
+    searches: int = 0
+    seconds: float = 0.0
+    """Wall time of the decision: curves and the exact packing (baselines and what-if excluded)."""
+    curve_options: tuple[tuple[Option, ...], ...] = field(default=(), repr=False)
+
+
+def peak_flops(cluster: ClusterSpec) -> float:
+    return math.fsum(group.gpu.bf16_tflops * 1e12 * group.num_nodes * cluster.gpus_per_node
+                     for group in cluster.node_groups)
+
+
+def _concurrent(name: str, jobs: Sequence[JobSpec], picked: Sequence[Option | None], peak: float,
+                note: str = "") -> Policy:
+    flops = math.fsum(job.weight * option.flops_per_s for job, option in zip(jobs, picked) if option is not None)
+    raw = math.fsum(option.flops_per_s for option in picked if option is not None)
+    hours = [option.hours(job.tokens) if option is not None else math.inf
+             for job, option in zip(jobs, picked) if job.tokens > 0]
+    met = [job for job, option in zip(jobs, picked) if option is not None and job.deadline_hours is not None
+           and job.tokens > 0 and option.hours(job.tokens) <= job.deadline_hours]
+    return Policy(name=name, options=tuple(picked), weighted_flops_per_s=flops, utilisation=raw / peak,
+                  makespan_h=max(hours, default=0.0), deadlines_met=len(met),
+                  met_weight=math.fsum(job.weight for job in met), note=note)
+
+
+def _timeline(jobs: Sequence[JobSpec], decide, peak: float, restart_h: float):
+    """Run the policy to the end: place the unfinished jobs (``decide(active) -> options``), advance to the
+    next finish, repack. A job whose node group or count changes idles ``restart_h`` first.
+    Returns (finish hours per job, average utilisation, repacks, restarts)."""
+    remaining = [job.tokens for job in jobs]
+    finish = [math.inf] * len(jobs)
+    active = [j for j in range(len(jobs))]
+    where: dict[int, tuple[int, int]] = {}
+    clock = done = 0.0
+    repacks = restarts = 0
+    while active:
+        picked = decide(active)
+        idle = {}
+        for j, option in zip(active, picked):
+            spot = (option.group, option.nodes)
+            idle[j] = restart_h if j in where and where[j] != spot else 0.0
+            restarts += j in where and where[j] != spot
+            where[j] = spot
+        ends = {j: idle[j] + remaining[j] / option.tokens_per_s / 3600.0 for j, option in zip(active, picked)}
+        step = min(ends.values())
+        for j, option in zip(active, picked):
+            working = max(0.0, step - idle[j]) * 3600.0
+            remaining[j] = max(0.0, remaining[j] - option.tokens_per_s * working)
+            done += option.flops_per_s * working
+        clock += step
+        for j in [j for j in active if ends[j] <= step * (1 + 1e-12)]:
+            finish[j] = clock
+            remaining[j] = 0.0
+        active = [j for j in active if remaining[j] > 0 and finish[j] == math.inf]
+        repacks += 1
+    return tuple(finish), done / (peak * clock * 3600.0) if clock > 0 else 0.0, repacks - 1, restarts
+
+
+def _with_timeline(policy: Policy, jobs: Sequence[JobSpec], decide, peak: float, restart_h: float) -> Policy:
+    if not jobs or not all(job.tokens > 0 for job in jobs) or any(option is None for option in policy.options):
+        return policy
+    finish, average, repacks, restarts = _timeline(jobs, decide, peak, restart_h)
+    met = [job for job, end in zip(jobs, finish) if job.deadline_hours is not None and end <= job.deadline_hours]
+    return dataclasses.replace(policy, finish_h=finish, average_utilisation=average, makespan_h=max(finish),
+                               deadlines_met=len(met), met_weight=math.fsum(job.weight for job in met),
+                               repacks=repacks, restarts=restarts)
+
+
+def _sequential(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], peak: float) -> Policy:
+    """Each job alone at its fastest option, one after another, earliest deadline first."""
+    best = [max(opts, key=lambda option: option.tokens_per_s) for opts in options]
+    hours = [option.hours(job.tokens) if job.tokens > 0 else 1.0 for job, option in zip(jobs, best)]
+    order = sorted(range(len(jobs)), key=lambda j: (jobs[j].deadline_hours or math.inf, j))
+    clock, met = 0.0, []
+    finish = [0.0] * len(jobs)
+    for j in order:
+        clock += hours[j]
+        finish[j] = clock
+        if jobs[j].deadline_hours is not None and clock <= jobs[j].deadline_hours:
+            met.append(jobs[j])
+    total = math.fsum(hours)
+    flops = math.fsum(job.weight * option.flops_per_s * h for job, option, h in zip(jobs, best, hours)) / total
+    raw = math.fsum(option.flops_per_s * h for option, h in zip(best, hours)) / total
+    note = "" if all(job.tokens > 0 for job in jobs) else "jobs without a token budget get one hour each"
+    return Policy(name="one after another", options=tuple(best), weighted_flops_per_s=flops, utilisation=raw / peak,
+                  makespan_h=total if all(job.tokens > 0 for job in jobs) else math.inf, deadlines_met=len(met),
+                  met_weight=math.fsum(job.weight for job in met), note=note, order=tuple(order),
+                  finish_h=tuple(finish) if all(job.tokens > 0 for job in jobs) else (),
+                  average_utilisation=raw / peak if all(job.tokens > 0 for job in jobs) else None)
+
+
+def _even_options(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], cluster: ClusterSpec,
+                  capacities: Sequence[int]) -> tuple[list[Option | None], int]:
+    """Each job an equal share of the nodes, in the group with the most nodes left that it may use."""
+    share = sum(capacities) // len(jobs)
+    free = list(capacities)
+    picked: list[Option | None] = []
+    for job, opts in zip(jobs, options):
+        groups = sorted(job_groups(job, cluster), key=lambda g: (-free[g], g))
+        choice = None
+        for group in groups:
+            fitting = [o for o in opts if o.group == group and o.nodes <= min(share, free[group])]
+            if fitting:
+                choice = max(fitting, key=lambda o: o.nodes)
+                break
+        if choice is not None:
+            free[choice.group] -= choice.nodes
+        picked.append(choice)
+    return picked, share
+
+
+def _even_split(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], cluster: ClusterSpec,
+                capacities: Sequence[int], peak: float, restart_h: float) -> Policy:
+    picked, share = _even_options(jobs, options, cluster, capacities)
+    missing = sum(1 for option in picked if option is None)
+    note = f"{missing} job(s) do not fit in an even share of {share} nodes" if missing else f"{share} nodes per job"
+    policy = _concurrent("even split", jobs, picked, peak, note)
+
+    def decide(active):
+        chosen, _ = _even_options([jobs[j] for j in active], [options[j] for j in active], cluster, capacities)
+        if any(option is None for option in chosen):  # a share too small for a job: the rest wait for nodes
+            raise InfeasibleError("even share too small")
+        return chosen
+
+    try:
+        return _with_timeline(policy, jobs, decide, peak, restart_h)
+    except InfeasibleError:
+        return policy
+
+
+def _packing_decider(jobs, curves, capacities, objective):
+    def decide(active):
+        sub = [jobs[j] for j in active]
+        packing = solve_milp(sub, [curves[j] for j in active], capacities, objective=objective)
+        return [curves[j][o] for j, o in zip(active, packing.choice)]
+    return decide
+
+
+def _fixed_depth(jobs, cache, options: PackOptions, capacities, peak) -> Policy | None:
+    best: Policy | None = None
+    tried = []
+    restart_h = options.restart_minutes / 60.0
+    for size in options.baseline_pipeline_sizes:
+        curves = [job_options(job, cache, node_counts=options.node_counts, capacities=capacities, pipeline=size)
+                  for job in jobs]
+        if not all(curves):
+            tried.append(f"PP{size}: {sum(1 for c in curves if not c)} job(s) have no plan")
+            continue
+        try:
+            packing = solve_milp(jobs, curves, capacities, objective=options.objective)
+        except InfeasibleError:
+            tried.append(f"PP{size}: no packing fits")
+            continue
+        policy = _concurrent(f"fixed PP{size}", jobs, [c[o] for c, o in zip(curves, packing.choice)], peak)
+        policy = _with_timeline(policy, jobs, _packing_decider(jobs, curves, capacities, options.objective), peak,
+                                restart_h)
+        if best is None or _better(policy, best, options.objective):
+            best = policy
+    if best is None:
+        return None
+    note = "best single pipeline size of " + "/".join(str(s) for s in options.baseline_pipeline_sizes)
+    return dataclasses.replace(best, note=note + ("; " + ", ".join(tried) if tried else ""))
+
+
+def _better(a: Policy, b: Policy, objective: str) -> bool:
+    if objective == "makespan":
+        return (a.makespan_h, -a.weighted_flops_per_s) < (b.makespan_h, -b.weighted_flops_per_s)
+    if objective == "deadlines":
+        return (a.met_weight, a.weighted_flops_per_s) > (b.met_weight, b.weighted_flops_per_s)
+    return a.weighted_flops_per_s > b.weighted_flops_per_s
+
+
+def gain(packed: Policy, baseline: Policy, objective: str) -> float:
+    """The packing's gain over a baseline in the objective's terms (makespan: how much sooner, as a rate)."""
+    if objective == "makespan":
+        return baseline.makespan_h / packed.makespan_h - 1 if packed.makespan_h > 0 else 0.0
+    if objective == "deadlines":
+        return packed.met_weight - baseline.met_weight
+    return packed.weighted_flops_per_s / baseline.weighted_flops_per_s - 1 if baseline.weighted_flops_per_s else math.inf
+
+
+def _capacities_after_failure(cluster: ClusterSpec, options: PackOptions) -> tuple[int, ...]:
+    capacities = [group.num_nodes for group in cluster.node_groups]
+    if options.fail_group is not None:
+        names = [group.gpu.name for group in cluster.node_groups]
+        if options.fail_group not in names:
+            raise ConfigError(f"pack.fail_group={options.fail_group!r} is no node group's GPU type; use one of {names}")
+        for index, name in enumerate(names):
+            if name == options.fail_group:
+                capacities[index] = 0
+    if options.fail_nodes:
+        largest = max(range(len(capacities)), key=lambda g: capacities[g])
+        if options.fail_nodes > capacities[largest]:
+            raise ConfigError(f"pack.fail_nodes={options.fail_nodes} exceeds the largest group's {capacities[largest]} "
+                              "nodes")
+        capacities[largest] -= options.fail_nodes
+    return tuple(capacities)
+
+
+def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOptions, *,
+              baselines: bool = True) -> PackResult:
+    """Pack the jobs present now (not ``arrives_later``); then the baselines, then the what-if."""
+    started = time.perf_counter()
+    cache = CurveCache(cluster=cluster)
+    capacities = tuple(group.num_nodes for group in cluster.node_groups)
+    present = tuple(job for job in jobs if not job.arrives_later)
+    curves = [job_options(job, cache, node_counts=options.node_counts) for job in present]
+    packing = solve_milp(present, curves, capacities, objective=options.objective)
+    peak = peak_flops(cluster)
+    packed = _concurrent("packed", present, [c[o] for c, o in zip(curves, packing.choice)], peak)
+    seconds = time.perf_counter() - started
+    restart_h = options.restart_minutes / 60.0
+    packed = _with_timeline(packed, present, _packing_decider(present, curves, capacities, options.objective), peak,
+                            restart_h)
+    found: list[Policy] = []
+    if baselines:
+        fixed = _fixed_depth(present, cache, options, capacities, peak)
+        if fixed is not None:
+            found.append(fixed)
+        found.append(_sequential(present, curves, peak))
+        found.append(_even_split(present, curves, cluster, capacities, peak, restart_h))
+    what_if = None
+    what_if_jobs: tuple[JobSpec, ...] = ()
+    after: tuple[int, ...] = ()
+    moves, moved = 0, ()
+    if options.fail_group is not None or options.fail_nodes or options.arrive:
+        after = _capacities_after_failure(cluster, options)
+        what_if_jobs = tuple(jobs) if options.arrive else present
+        where = {job.name: (option.group, option.nodes) for job, option in zip(present, packed.options)}
+        after_curves = [job_options(job, cache, node_counts=options.node_counts, capacities=after)
+                        for job in what_if_jobs]
+        previous = [where.get(job.name) for job in what_if_jobs]
+        repack = solve_milp(what_if_jobs, after_curves, after, objective=options.objective, previous=previous,
+                            slack=options.move_slack)
+        picked = [c[o] for c, o in zip(after_curves, repack.choice)]
+        events = []
+        if options.fail_group:
+            events.append(f"{options.fail_group} nodes fail")
+        if options.fail_nodes:
+            events.append(f"{options.fail_nodes} nodes fail")
+        if options.arrive:
+            events.append(", ".join(job.name for job in jobs if job.arrives_later) + " arrive")
+        what_if = _concurrent("what-if: " + "; ".join(events), what_if_jobs, picked, peak_flops(cluster))
+        moves = repack.moves
+        moved = tuple(job.name for job, option, prev in zip(what_if_jobs, picked, previous)
+                      if prev is not None and (option.group, option.nodes) != prev)
+    return PackResult(jobs=present, capacities=capacities, objective=options.objective, packed=packed,
+                      baselines=tuple(found), what_if=what_if, what_if_jobs=what_if_jobs, what_if_capacities=after,
+                      moves=moves, moved=moved, searches=cache.searches, seconds=seconds,
+                      curve_options=tuple(curves))

@@ -1,0 +1,212 @@
+"""The exact packing: each job picks one (node group, node count) option; the groups' node counts bound the sum.
+
+Every job runs at once on nodes of its own (a static split of the cluster). Objectives:
+
+- ``throughput``: the most weighted model FLOP/s, ``sum_j w_j F_j(option)``;
+- ``makespan``: every token budget done soonest, ``min max_j tokens_j / tokens_per_s_j(option)``; among
+  the makespan-optimal packings, the most weighted FLOP/s;
+- ``deadlines``: the most weight of jobs that meet their deadline; among those packings, the most FLOP/s.
+
+:func:`solve_milp` is a multiple-choice knapsack as a MILP (HiGHS through ``scipy.optimize.milp``), any
+number of node groups, solved stage by stage (the objective, then its tie-break, then, for a what-if, the
+fewest moves among the packings within ``slack`` of the optimum). :func:`solve_dp` is the same optimum for
+one node group and the throughput objective by dynamic programming over node counts; :func:`solve_brute`
+enumerates every packing (small cases, for the tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megapipe.errors import InfeasibleError
+from megapipe.pack.curves import Option
+from megapipe.records import JobSpec
+
+__all__ = ["Packing", "score", "solve_milp", "solve_dp", "solve_brute", "feasible_or_raise"]
+
+_TOL = 1e-9
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Packing:
+    """One option index per job (into that job's options), and the objective it reaches."""
+
+    choice: tuple[int, ...]
+    objective: str
+    value: float
+    """Weighted FLOP/s (throughput), hours (makespan) or met weight (deadlines)."""
+    moves: int = 0
+    """What-if: jobs whose node group or node count changed."""
+
+
+def score(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], choice: Sequence[int], objective: str) -> float:
+    picked = [options[j][o] for j, o in enumerate(choice)]
+    if objective == "throughput":
+        return math.fsum(job.weight * option.flops_per_s for job, option in zip(jobs, picked))
+    if objective == "makespan":
+        return max(option.hours(job.tokens) for job, option in zip(jobs, picked))
+    return math.fsum(job.weight for job, option in zip(jobs, picked) if option.hours(job.tokens) <= job.deadline_hours)
+
+
+def feasible_or_raise(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacities: Sequence[int]) -> None:
+    """A clear error for a job with no option, or jobs whose smallest options cannot share the cluster."""
+    for job, opts in zip(jobs, options):
+        if not opts:
+            raise InfeasibleError(
+                f"job {job.name!r} ({job.model.name}, global batch {job.train.global_batch_size}, seq "
+                f"{job.train.seq_length}) fits on no node count of any node group it may use"
+                + (f" (gpu={job.gpu})" if job.gpu else "")
+                + f" (at most {max(capacities)} nodes); give it more nodes, a smaller model or a larger cluster")
+    if len(capacities) == 1:
+        need = sum(min(option.nodes for option in opts) for opts in options)
+        if need > capacities[0]:
+            raise InfeasibleError(f"the jobs' smallest footprints need {need} nodes together and the cluster has "
+                                  f"{capacities[0]}; drop or defer a job (arrives_later) or add nodes")
+
+
+def _milp(cost, rows, lower, upper, integrality, bounds_high):
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    result = milp(cost, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
+                  bounds=Bounds(np.zeros(len(cost)), bounds_high), options={"time_limit": 60.0})
+    if result.x is None:
+        return None
+    return result.x
+
+
+def solve_milp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacities: Sequence[int], *,
+               objective: str = "throughput", previous: Sequence[tuple[int, int] | None] | None = None,
+               slack: float = 0.0) -> Packing:
+    """The optimal packing; with ``previous`` ((group, nodes) per job, None for a new one), the one with the
+    fewest moves among those within ``slack`` of the optimum."""
+    feasible_or_raise(jobs, options, capacities)
+    index = [(j, o) for j, opts in enumerate(options) for o in range(len(opts))]
+    count = len(index)
+    width = count + 1  # the makespan variable last
+    rows, lower, upper = [], [], []
+    for j in range(len(jobs)):
+        row = np.zeros(width)
+        row[[k for k, (jj, _) in enumerate(index) if jj == j]] = 1.0
+        rows.append(row), lower.append(1.0), upper.append(1.0)
+    for group, capacity in enumerate(capacities):
+        row = np.zeros(width)
+        for k, (j, o) in enumerate(index):
+            if options[j][o].group == group:
+                row[k] = options[j][o].nodes
+        rows.append(row), lower.append(-np.inf), upper.append(float(capacity))
+    integrality = np.ones(width)
+    integrality[-1] = 0
+    high = np.ones(width)
+    high[-1] = np.inf
+    flops = np.array([jobs[j].weight * options[j][o].flops_per_s for j, o in index] + [0.0])
+    scale = float(flops.max()) or 1.0
+    flops = flops / scale
+    hours = np.array([options[j][o].hours(jobs[j].tokens) if jobs[j].tokens > 0 else 0.0 for j, o in index])
+    met = np.array([jobs[j].weight if jobs[j].deadline_hours is not None
+                    and options[j][o].hours(jobs[j].tokens) <= jobs[j].deadline_hours else 0.0 for j, o in index]
+                   + [0.0])
+    if objective == "makespan":
+        for j in range(len(jobs)):
+            row = np.zeros(width)
+            for k, (jj, _) in enumerate(index):
+                if jj == j:
+                    row[k] = hours[k]
+            row[-1] = -1.0
+            rows.append(row), lower.append(-np.inf), upper.append(0.0)
+
+    def solve(cost, extra_rows=()):
+        extra = list(extra_rows)
+        x = _milp(cost, rows + [r for r, _, _ in extra], lower + [lo for _, lo, _ in extra],
+                  upper + [hi for _, _, hi in extra], integrality, high)
+        if x is None:
+            raise InfeasibleError("no packing fits every job on the cluster's nodes; drop or defer a job "
+                                  "(arrives_later) or add nodes")
+        return x
+
+    # stage 1: the objective
+    if objective == "throughput":
+        primary = -flops
+    elif objective == "makespan":
+        primary = np.zeros(width)
+        primary[-1] = 1.0
+    else:
+        primary = -met
+    x = solve(primary)
+    best = float(primary @ x)
+    keep = [(primary, -np.inf, best + _TOL * max(1.0, abs(best)))]
+    # stage 2: the tie-break (FLOP/s) for makespan and deadlines
+    if objective != "throughput":
+        x = solve(-flops, keep)
+        keep.append((-flops, -np.inf, float(-flops @ x) + _TOL))
+    moves = 0
+    if previous is not None:
+        stay = np.zeros(width)
+        for k, (j, o) in enumerate(index):
+            if previous[j] is not None and (options[j][o].group, options[j][o].nodes) == tuple(previous[j]):
+                stay[k] = 1.0
+        movable = sum(1 for item in previous if item is not None)
+        bound = best * (1 + slack) if objective == "makespan" else best * (1 - slack)  # best <= 0 otherwise
+        within = (primary, -np.inf, bound + _TOL * max(1.0, abs(best)))
+        x = solve(-stay, [within])
+        stayed = int(round(float(stay @ x)))
+        moves = movable - stayed
+        x = solve(-flops, [within, (stay, stayed - 0.5, np.inf)])  # the most FLOP/s with those moves
+    choice = [0] * len(jobs)
+    for k, (j, o) in enumerate(index):
+        if x[k] > 0.5:
+            choice[j] = o
+    return Packing(choice=tuple(choice), objective=objective, value=score(jobs, options, choice, objective),
+                   moves=moves)
+
+
+def solve_dp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacity: int) -> Packing:
+    """One node group, the throughput objective: ``best[c]`` = the most weighted FLOP/s of the jobs so far on
+    ``c`` nodes, job by job over its options (a multiple-choice knapsack; exact in integers)."""
+    feasible_or_raise(jobs, options, (capacity,))
+    neg = -math.inf
+    best = [0.0] * (capacity + 1)  # no job yet: any capacity, value 0
+    picks: list[list[int]] = []
+    for job, opts in zip(jobs, options):
+        new = [neg] * (capacity + 1)
+        pick = [-1] * (capacity + 1)
+        for c in range(capacity + 1):
+            for o, option in enumerate(opts):
+                if option.nodes <= c and best[c - option.nodes] > neg:
+                    value = best[c - option.nodes] + job.weight * option.flops_per_s
+                    if value > new[c]:
+                        new[c], pick[c] = value, o
+        best = new
+        picks.append(pick)
+    if best[capacity] == neg:
+        raise InfeasibleError("no packing fits every job on the cluster's nodes")
+    choice, c = [0] * len(jobs), capacity
+    for j in range(len(jobs) - 1, -1, -1):
+        o = picks[j][c]
+        choice[j] = o
+        c -= options[j][o].nodes
+    return Packing(choice=tuple(choice), objective="throughput", value=score(jobs, options, choice, "throughput"))
+
+
+def solve_brute(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacities: Sequence[int], *,
+                objective: str = "throughput") -> Packing | None:
+    """Every packing tried (small cases only); None when none fits."""
+    best_choice, best_key = None, None
+    for choice in itertools.product(*(range(len(opts)) for opts in options)):
+        used = [0] * len(capacities)
+        for j, o in enumerate(choice):
+            used[options[j][o].group] += options[j][o].nodes
+        if any(u > c for u, c in zip(used, capacities)):
+            continue
+        value = score(jobs, options, choice, objective)
+        flops = score(jobs, options, choice, "throughput")
+        key = (-value if objective == "makespan" else value, flops)
+        if best_key is None or key > best_key:
+            best_choice, best_key = choice, key
+    if best_choice is None:
+        return None
+    return Packing(choice=tuple(best_choice), objective=objective, value=score(jobs, options, best_choice, objective))
