@@ -147,7 +147,8 @@ def run(job: PackJob, *, directory: str) -> None:
         panels = [(f"packed ({result.objective})", node_owners(result.capacities, place(result.jobs, packed.options)))]
         if result.what_if is not None:
             panels.append((result.what_if.name + f" ({result.moves} moved)",
-                           node_owners(result.capacities, place(result.what_if_jobs, result.what_if.options))))
+                           node_owners(result.capacities, place(result.what_if_jobs, result.what_if.options),
+                                       failed=[a - b for a, b in zip(result.capacities, result.what_if_capacities)])))
         written.append(cluster_map(panels, [f"{g.gpu.name}" for g in cluster.node_groups],
                                    os.path.join(directory, "cluster.png")))
     if job.setup.output.json:

@@ -14,10 +14,17 @@ from megapipe.report.plots import _pyplot, save_png
 __all__ = ["node_owners", "cluster_map"]
 
 
-def node_owners(capacities: Sequence[int], placed: Sequence[tuple[str, int, int] | None]) -> list[list[str | None]]:
-    """Per node group, per node: the job on it (None: idle). ``placed``: (job, group, nodes) per job; each job
-    takes the next free nodes of its group, in job order."""
+FAILED = "(failed)"
+
+
+def node_owners(capacities: Sequence[int], placed: Sequence[tuple[str, int, int] | None],
+                failed: Sequence[int] = ()) -> list[list[str | None]]:
+    """Per node group, per node: the job on it (None: idle, FAILED: lost). ``placed``: (job, group, nodes) per
+    job; each job takes the next free nodes of its group, in job order; ``failed`` nodes are each group's last."""
     owners: list[list[str | None]] = [[None] * capacity for capacity in capacities]
+    for group, lost in enumerate(failed):
+        for node in range(capacities[group] - lost, capacities[group]):
+            owners[group][node] = FAILED
     cursor = [0] * len(capacities)
     for item in placed:
         if item is None:
@@ -32,9 +39,12 @@ def node_owners(capacities: Sequence[int], placed: Sequence[tuple[str, int, int]
 def cluster_map(panels: Sequence[tuple[str, list[list[str | None]]]], group_names: Sequence[str], path: str) -> str:
     """``panels``: (title, node_owners(...)) each; writes a PNG."""
     plt = _pyplot()
-    names = sorted({name for _, owners in panels for row in owners for name in row if name is not None})
+    names = sorted({name for _, owners in panels for row in owners for name in row if name not in (None, FAILED)})
     colours = plt.get_cmap("tab20")
-    colour = {name: colours(index % 20) for index, name in enumerate(names)}
+    colour = {name: colours((2 * index) % 20 + (2 * index // 20) % 2) for index, name in enumerate(names)}
+    colour[FAILED] = "#222222"
+    if any(FAILED in row for _, owners in panels for row in owners):
+        names.append(FAILED)
     width = max(1, max(len(row) for _, owners in panels for row in owners))
     columns = min(width, 32)
     heights = [sum(max(1, math.ceil(len(row) / columns)) for row in owners) for _, owners in panels]

@@ -1,0 +1,212 @@
+"""megapipe pack: the exact packing against brute force, the timeline, the what-if, the CLI and its errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megapipe.cli import main
+from megapipe.errors import InfeasibleError
+from megapipe.pack import Option, solve_brute, solve_dp, solve_milp
+from megapipe.pack.pack import _timeline
+from megapipe.records import JobSpec, ModelSpec, TrainSpec
+
+MODEL = ModelSpec(name="m", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=128, vocab_size=256,
+                  seq_length=16)
+
+
+def _job(name: str, *, weight: float = 1.0, tokens: float = 0.0, deadline: float | None = None) -> JobSpec:
+    return JobSpec(name=name, model=MODEL, train=TrainSpec(), tokens=tokens, deadline_hours=deadline, weight=weight)
+
+
+def _option(group: int, nodes: int, tokens_per_s: float) -> Option:
+    return Option(group=group, nodes=nodes, tokens_per_s=tokens_per_s, flops_per_s=tokens_per_s * 1e9, plan=None,
+                  result=None)
+
+
+@st.composite
+def instances(draw, *, groups: int = 1):
+    """Jobs with concave-ish or arbitrary throughput curves over a few node counts per group."""
+    num_jobs = draw(st.integers(1, 4))
+    capacities = tuple(draw(st.integers(2, 8)) for _ in range(groups))
+    jobs, options = [], []
+    for j in range(num_jobs):
+        jobs.append(_job(f"j{j}", weight=draw(st.sampled_from([0.5, 1.0, 2.0])),
+                         tokens=draw(st.sampled_from([1e9, 4e9, 1e10])),
+                         deadline=draw(st.sampled_from([1.0, 5.0, 20.0]))))
+        opts = []
+        for group in range(groups):
+            for nodes in sorted(draw(st.sets(st.integers(1, 8), min_size=1, max_size=3))):
+                opts.append(_option(group, nodes, draw(st.integers(1, 50)) * 1e4 * nodes ** 0.8))
+        options.append(opts)
+    return jobs, options, capacities
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_one_group_throughput_milp_and_dp_equal_brute_force(instance):
+    jobs, options, capacities = instance
+    brute = solve_brute(jobs, options, capacities)
+    if brute is None:
+        with pytest.raises(InfeasibleError):
+            solve_milp(jobs, options, capacities)
+        return
+    milp = solve_milp(jobs, options, capacities)
+    dp = solve_dp(jobs, options, capacities[0])
+    assert milp.value == pytest.approx(brute.value, rel=1e-9)
+    assert dp.value == pytest.approx(brute.value, rel=1e-9)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(groups=2), st.sampled_from(["throughput", "makespan", "deadlines"]))
+def test_two_groups_every_objective_equals_brute_force(instance, objective):
+    jobs, options, capacities = instance
+    brute = solve_brute(jobs, options, capacities, objective=objective)
+    if brute is None:
+        with pytest.raises(InfeasibleError):
+            solve_milp(jobs, options, capacities, objective=objective)
+        return
+    milp = solve_milp(jobs, options, capacities, objective=objective)
+    assert milp.value == pytest.approx(brute.value, rel=1e-9)
+    used = [0, 0]
+    for j, o in enumerate(milp.choice):
+        used[options[j][o].group] += options[j][o].nodes
+    assert all(u <= c for u, c in zip(used, capacities))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(), st.data())
+def test_what_if_moves_the_fewest_jobs_among_optimal_packings(instance, data):
+    jobs, options, capacities = instance
+    first = solve_brute(jobs, options, capacities)
+    if first is None:
+        return
+    previous = [(options[j][o].group, options[j][o].nodes) for j, o in enumerate(first.choice)]
+    lost = data.draw(st.integers(1, capacities[0] - 1))
+    after = (capacities[0] - lost,)
+    optimum = solve_brute(jobs, options, after)
+    if optimum is None:
+        return
+    fewest = min(
+        sum((options[j][o].group, options[j][o].nodes) != previous[j] for j, o in enumerate(choice))
+        for choice in itertools.product(*(range(len(opts)) for opts in options))
+        if sum(options[j][o].nodes for j, o in enumerate(choice)) <= after[0]
+        and math.fsum(jobs[j].weight * options[j][o].flops_per_s for j, o in enumerate(choice))
+        >= optimum.value * (1 - 1e-9))
+    repack = solve_milp(jobs, options, after, previous=previous)
+    assert repack.value == pytest.approx(optimum.value, rel=1e-9)
+    assert repack.moves == fewest
+
+
+def test_move_slack_trades_throughput_for_fewer_moves():
+    jobs = [_job("a"), _job("b")]
+    options = [[_option(0, 2, 2e5), _option(0, 4, 3.9e5)], [_option(0, 2, 2e5), _option(0, 4, 4e5)]]
+    first = solve_milp(jobs, options, (6,))
+    assert first.choice == (0, 1)  # b gets 4 nodes
+    previous = [(0, 4), (0, 2)]  # as if a had had 4 before
+    exact = solve_milp(jobs, options, (6,), previous=previous)
+    slack = solve_milp(jobs, options, (6,), previous=previous, slack=0.02)  # staying gives 5.9 of 6.0
+    assert exact.moves == 2 and slack.moves == 0
+
+
+def test_jobs_that_cannot_share_the_cluster_are_refused_with_the_need():
+    jobs = [_job("a"), _job("b")]
+    options = [[_option(0, 4, 1e5)], [_option(0, 4, 1e5)]]
+    with pytest.raises(InfeasibleError, match="need 8 nodes together and the cluster has 6"):
+        solve_milp(jobs, options, (6,))
+    with pytest.raises(InfeasibleError, match="job 'b'"):
+        solve_milp(jobs, [options[0], []], (6,))
+
+
+def test_timeline_gives_finished_jobs_nodes_to_the_others():
+    """a (1e9 tokens) and b (4e9) share 4 nodes 2 + 2; when a finishes, b gets all 4 after a restart."""
+    jobs = [_job("a", tokens=3.6e9), _job("b", tokens=3.6e10)]
+    options = [[_option(0, 2, 1e6), _option(0, 4, 2e6)], [_option(0, 2, 1e6), _option(0, 4, 2e6)]]
+    state = {"calls": 0}
+
+    def decide(active):
+        state["calls"] += 1
+        if len(active) == 2:
+            return [options[0][0], options[1][0]]
+        return [options[active[0]][1]]
+
+    finish, average, repacks, restarts = _timeline(jobs, decide, peak=4e6 * 1e9, restart_h=0.5)
+    assert finish[0] == pytest.approx(1.0)  # 3.6e9 tokens at 1e6/s
+    # b: 3.6e9 done in the first hour, 3.24e10 left at 2e6/s after a 0.5 h restart
+    assert finish[1] == pytest.approx(1.0 + 0.5 + 3.24e10 / 2e6 / 3600)
+    assert repacks == 1 and restarts == 1
+    done = 2 * 1e6 * 1e9 * 3600 + 2e6 * 1e9 * (finish[1] - 1.5) * 3600
+    assert average == pytest.approx(done / (4e6 * 1e9 * finish[1] * 3600))
+
+
+# -- the command, on the cost model ----------------------------------------------------------------------
+JOBS = ("jobs.jobs=[{name: big, model: llama3_8b, global_batch_size: 128, tokens: 2.0e10, deadline_hours: 30},"
+        "{name: small, model: llama3_8b, global_batch_size: 32, seq_length: 4096, tokens: 2.0e9, deadline_hours: 10},"
+        "{name: later, model: llama3_8b, global_batch_size: 32, seq_length: 4096, tokens: 1.0e9, arrives_later: true}]")
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pack")
+    code = main(["pack", "cluster.num_nodes=8", JOBS, "pack.node_counts=[1,2,4,8]", "pack.baseline_pipeline_sizes=[1,2]",
+                 "pack.arrive=true", f"output.dir={out}"])
+    assert code == 0
+    return out
+
+
+def test_pack_writes_assignments_baselines_and_a_plan_dir_per_job(packed):
+    doc = yaml.safe_load((packed / "pack.yaml").read_text())
+    assert doc["format"] == "megapipe-pack/1"
+    nodes = {a["job"]: a["nodes"] for a in doc["assignments"]}
+    assert set(nodes) == {"big", "small"} and sum(nodes.values()) <= 8
+    names = [p["name"] for p in doc["policies"]]
+    assert names[0] == "packed" and "one after another" in names and "even split" in names
+    assert any(name.startswith("fixed PP") for name in names)
+    packed_policy = doc["policies"][0]
+    for policy in doc["policies"][1:]:
+        if policy["name"] != "one after another":  # concurrent packings: the optimum at the start
+            assert packed_policy["weighted_model_pflops_per_s"] >= policy["weighted_model_pflops_per_s"] * (1 - 1e-6)
+    for assignment in doc["assignments"]:
+        args = (packed / "jobs" / assignment["job"] / "megatron_args.txt").read_text()
+        assert f"--tensor-model-parallel-size {assignment['tensor_model_parallel_size']}" in args
+        assert f"--pipeline-model-parallel-size {assignment['pipeline_model_parallel_size']}" in args
+        plan = yaml.safe_load((packed / "jobs" / assignment["job"] / "plan.yaml").read_text())
+        assert plan["best"]["parallel"]["data_parallel_size"] * assignment["tensor_model_parallel_size"] * \
+            assignment["pipeline_model_parallel_size"] == assignment["gpus"]
+        for name in ("bridge_overrides.txt", "nemo2_overrides.txt", "nemo1_overrides.txt", "launch_megatron.sh"):
+            assert (packed / "jobs" / assignment["job"] / name).stat().st_size > 0
+    assert (packed / "cluster.png").read_bytes()[:4] == b"\x89PNG"
+    what_if = doc["what_if"]
+    assert {a["job"] for a in what_if["assignments"]} == {"big", "small", "later"}
+    assert sum(a["nodes"] for a in what_if["assignments"]) <= 8
+
+
+def test_pack_output_is_reproducible(packed, tmp_path):
+    code = main(["pack", "cluster.num_nodes=8", JOBS, "pack.node_counts=[1,2,4,8]", "pack.baseline_pipeline_sizes=[1,2]",
+                 "pack.arrive=true", f"output.dir={tmp_path}"])
+    assert code == 0
+    assert (tmp_path / "pack.yaml").read_bytes() == (packed / "pack.yaml").read_bytes()
+    assert (tmp_path / "cluster.png").read_bytes() == (packed / "cluster.png").read_bytes()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["jobs.jobs=[{name: a, model: llama3_8b, global_batch_size: 64}, {name: a, model: llama3_8b, "
+      "global_batch_size: 64}]"], "the name 'a' appears more than once"),
+    (["jobs.jobs=[{name: a, model: llama3_8b, global_batch_size: 64, gpu: b900}]"], "gpu='b900' is no GPU type"),
+    (["jobs.jobs=[{name: a, model: llama9_1t, global_batch_size: 64}]"], "model='llama9_1t' is no hydra_conf/model"),
+    (["jobs.jobs=[{name: a, model: llama3_405b, global_batch_size: 64}]", "cluster.num_nodes=1"],
+     "job 'a' (llama3_405b"),
+    (["pack.objective=makespan", "jobs.jobs=[{name: a, model: llama3_8b, global_batch_size: 64}]"],
+     "needs a token budget"),
+    (["pack.objective=fastest"], "pack.objective='fastest'"),
+    (["jobs.jobs=[{name: 'a b', model: llama3_8b, global_batch_size: 64}]"], "must be letters"),
+])
+def test_bad_input_gets_one_line_and_exit_2(overrides, message, capsys, tmp_path):
+    assert main(["pack", *overrides, f"output.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
