@@ -544,3 +544,17 @@ class JobSpec:
     max_micro_batch_size: int | None = None
     arrives_later: bool = False
     """Held out of the first packing; the what-if adds it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackOptions:
+    """How ``megapipe pack`` packs: objective, node counts, baselines, what-ifs (see hydra_conf PackConfig)."""
+
+    objective: str = "throughput"
+    node_counts: tuple[int, ...] | None = None
+    baseline_pipeline_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    fail_group: str | None = None
+    fail_nodes: int = 0
+    arrive: bool = False
+    move_slack: float = 0.0
+    restart_minutes: float = 10.0

@@ -11,7 +11,7 @@ import pytest
 from megapipe.schedules import SCHEDULE_NAMES
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megapipe"
-CORE = ("cost", "partition", "schedules", "simulate", "plan", "emit")
+CORE = ("cost", "partition", "schedules", "simulate", "plan", "emit", "pack")
 IMPURE = ("torch", "hydra", "omegaconf", "rich", "matplotlib", "yaml", "megapipe.monitor", "megapipe.profile.measure",
           "megapipe.io", "megapipe.config", "megapipe.commands", "megapipe.cli")
 
@@ -94,7 +94,7 @@ def test_one_gib_constant():
 
 
 def test_the_core_is_pure():
-    """cost, partition, schedules, simulate, plan and emit import no torch, Hydra, files or console, and print nothing."""
+    """cost, partition, schedules, simulate, plan, emit and pack import no torch, Hydra, files or console, and print nothing."""
     offenders = defaultdict(list)
     for module, path in MODULES.items():
         if module.split(".")[1:2] not in [[part] for part in CORE]:

@@ -17,13 +17,13 @@ from omegaconf import DictConfig
 
 from megapipe.commands.common import console, print_json
 from megapipe.config import Setup, recorded_inputs, to_setup
-from megapipe.config.jobs import PackOptions, jobs_of, pack_options
+from megapipe.config.jobs import jobs_of, pack_options
 from megapipe.emit import BridgeKeys, emit, launch_script
 from megapipe.io import atomic_write_text, dump_yaml, write_plan_dir
 from megapipe.pack import gain, pack_jobs
 from megapipe.pack.curves import sub_cluster
 from megapipe.plan.document import plan_document
-from megapipe.records import JobSpec
+from megapipe.records import JobSpec, PackOptions
 
 __all__ = ["PackJob", "prepare", "run"]
 

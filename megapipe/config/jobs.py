@@ -8,30 +8,16 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from megapipe.config.validate import positive_int
 from megapipe.errors import ConfigError
-from megapipe.records import ClusterSpec, JobSpec
+from megapipe.records import ClusterSpec, JobSpec, PackOptions
 
 __all__ = ["OBJECTIVES", "PackOptions", "jobs_of", "pack_options"]
 
 OBJECTIVES = ("throughput", "makespan", "deadlines")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PackOptions:
-    objective: str = "throughput"
-    node_counts: tuple[int, ...] | None = None
-    baseline_pipeline_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    fail_group: str | None = None
-    fail_nodes: int = 0
-    arrive: bool = False
-    move_slack: float = 0.0
-    restart_minutes: float = 10.0
 
 
 def _number(key: str, value, *, low: float = 0.0, allow_zero: bool = False) -> float:

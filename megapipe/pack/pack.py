@@ -21,11 +21,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megapipe.config.jobs import PackOptions
 from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.pack.curves import CurveCache, Option, job_groups, job_options
 from megapipe.pack.solve import solve_milp
-from megapipe.records import ClusterSpec, JobSpec
+from megapipe.records import ClusterSpec, JobSpec, PackOptions
 
 __all__ = ["Policy", "PackResult", "pack_jobs", "peak_flops"]
 
