@@ -156,7 +156,10 @@ def test_intervals_partition_the_measured_wall(ranks, name):
 def test_wrapped_megatron_timers_keep_working(ranks):
     for rank in ranks:
         hook_forward_ms = sum(r.rank.forward_ms for r in rank["wrapped"]["reports"])
-        assert rank["megatron_forward_ms"] == pytest.approx(hook_forward_ms, rel=0.02)
+        # the same forward calls timed twice: equal up to the few microseconds between the two clocks' reads per
+        # call, which a loaded 2-core machine stretches (5% seen once in a full suite run): a broken wrap reads 0
+        # or double
+        assert rank["megatron_forward_ms"] == pytest.approx(hook_forward_ms, rel=0.1)
         assert rank["wrapped"]["restored"] is False  # still wrapped while training
 
 
