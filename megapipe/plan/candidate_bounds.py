@@ -11,6 +11,8 @@ class where it enters. Per-stage recompute candidates are bounded by the options
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from dataclasses import dataclass
 
@@ -65,6 +67,7 @@ class CandidateBounds:
         self._shapes: dict[tuple, object] = {}
         self._forward_shares: dict[tuple, float] = {}
         self._memory_bounds: dict[tuple, float] = {}
+        self._busiest: dict[tuple, float] = {}
         self._dp_terms: dict[tuple, tuple[float, float]] = {}
         self._layouts: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
@@ -118,11 +121,36 @@ class CandidateBounds:
         pipeline = m * total_ms / sum(ratio ** r for r in range(pp))
         # Some rank holds ceil(N / p) decoders and runs their F + B for every microbatch in sequence.
         fullest = m * -(-totals.num_decoders // pp) * totals.decoder_min_ms * min_time_scale
-        pipeline = max(pipeline, fullest)
+        pipeline = max(pipeline, fullest, m * self._busiest_rank_ms(cand) * min_time_scale)
+        pipeline += self.cluster.runtime.step_overhead_ms  # every plan's step carries it
         if self.cluster.is_heterogeneous:  # per-type windows and bandwidths: keep the pipeline term only
             return Bound(step_ms=pipeline, memory_bytes=self.memory_bound(cand))
         optimizer, sync = self._dp_step_terms(cand, totals, include_sync)
         return Bound(step_ms=pipeline + optimizer + sync, memory_bytes=self.memory_bound(cand))
+
+    def _busiest_rank_ms(self, cand: Candidate) -> float:
+        """A lower bound on the busiest rank's F + B per microbatch, over every split (water-filling, as
+        :meth:`memory_bound`): the embedding is pinned to the first rank and the loss to the schedule's loss
+        rank, every decoder weighs at least the lightest decoder kind, and a rank runs all its chunks for
+        every microbatch, so the step is at least m times it. It matters where one unit outweighs several
+        decoders (a 150k-vocabulary head over small MoE layers)."""
+        pp = cand.parallel.pipeline_model_parallel_size
+        key = cand.layer_key + (cand.parallel.data_parallel_size, pp, spec(cand.schedule).loss_rank(pp))
+        found = self._busiest.get(key)
+        if found is None:
+            layers = self.costs.bound_layers(cand)
+            decoders = [layer.fwd_ms + layer.bwd_ms for layer in layers if layer.kind == LayerKind.decoder]
+            if not decoders:
+                found = 0.0
+            else:
+                pinned = [0.0] * pp
+                for layer, rank in ((layers[0], 0), (layers[-1], spec(cand.schedule).loss_rank(pp))):
+                    if layer.kind != LayerKind.decoder:
+                        pinned[rank] += layer.fwd_ms + layer.bwd_ms
+                lightest = min(decoders)
+                found = _integer_level(pinned, lightest, len(decoders)) if lightest > 0 else max(pinned)
+            self._busiest[key] = found
+        return found
 
     def _dp_step_terms(self, cand: Candidate, totals: _Totals, include_sync: bool) -> tuple[float, float]:
         """Optimizer step and exposed DP sync of the mean rank; they do not depend on VP or the schedule."""
@@ -268,3 +296,15 @@ class CandidateBounds:
                    for layers in others for low, entry in zip(least, layers)):
             return True
         return self.split_can_fit(lightest, gpus)
+
+
+def _integer_level(pinned: list[float], per_layer: float, num_layers: int) -> float:
+    """The smallest M at which whole layers of ``per_layer`` each fill the ranks to ``num_layers``: rank r
+    holds floor((M - pinned_r) / per_layer) of them. Starts from the fluid level (a lower bound on it)."""
+    level = water_level(pinned, [per_layer] * len(pinned), num_layers)
+    for _ in range(len(pinned) + 1):
+        held = sum(max(0, math.floor((level - pin) / per_layer + 1e-9)) for pin in pinned)
+        if held >= num_layers:
+            return level
+        level = min(pin + (max(0, math.floor((level - pin) / per_layer + 1e-9)) + 1) * per_layer for pin in pinned)
+    return level
