@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from megapipe.commands.common import console, print_json
 from megapipe.config import Setup, recorded_inputs, to_setup
@@ -42,8 +42,6 @@ def prepare(cfg: DictConfig) -> PackJob:
     setup = to_setup(cfg, search=True)
     jobs = jobs_of(cfg, setup.cluster)
     inputs = recorded_inputs(cfg)
-    from omegaconf import OmegaConf
-
     inputs["jobs"] = OmegaConf.to_container(cfg.jobs, resolve=True)
     inputs["pack"] = OmegaConf.to_container(cfg.pack, resolve=True)
     return PackJob(setup=setup, jobs=jobs, options=pack_options(cfg, jobs), inputs=inputs)

@@ -7,6 +7,7 @@ node group has, token budgets and deadlines the objective needs, node counts, we
 from __future__ import annotations
 
 import math
+import os
 import re
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -29,8 +30,13 @@ def _number(key: str, value, *, low: float = 0.0, allow_zero: bool = False) -> f
 
 
 def _model_and_train(job: DictConfig, where: str, cache: dict):
-    from megapipe.config.build import compose, to_setup
+    """The job's model preset and training record, composed once per (model, sequence, precision, batch)."""
+    from megapipe.config.build import compose, conf_dir, to_setup
 
+    presets = sorted(name[:-5] for name in os.listdir(os.path.join(conf_dir(), "model"))
+                     if name.endswith(".yaml") and not name.startswith("_"))
+    if str(job.model) not in presets:
+        raise ConfigError(f"{where}.model={job.model!r} is no hydra_conf/model option; use one of {presets}")
     key = (str(job.model), job.get("seq_length"), str(job.get("precision") or "bf16"), int(job.global_batch_size))
     if key not in cache:
         overrides = [f"model={job.model}", f"train.global_batch_size={job.global_batch_size}",
@@ -40,11 +46,6 @@ def _model_and_train(job: DictConfig, where: str, cache: dict):
         try:
             setup = to_setup(compose(overrides), search=True)
         except ConfigError as error:
-            raise ConfigError(f"{where}: {error}") from None
-        except Exception as error:  # Hydra: an unknown model option
-            if "model" in str(error) and ("not found" in str(error) or "Could not find" in str(error)):
-                raise ConfigError(f"{where}.model={job.model!r} is no hydra_conf/model option; use one of the "
-                                  "model presets (llama3_8b, llama3_70b, mixtral_8x7b, ...)") from None
             raise ConfigError(f"{where}: {error}") from None
         cache[key] = (setup.model, setup.train)
     return cache[key]

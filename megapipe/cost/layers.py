@@ -36,6 +36,8 @@ takes beyond its 1/cp share of the attention kernel.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from megapipe.cost.comm import Collective, all_to_all_ms, collective_ms, group_link, p2p_link, p2p_ms, tensor_parallel_link
@@ -167,6 +169,13 @@ def _linear(gemm: Gemm, shapes: Shapes, device: _Device, *, dtype: str | None = 
     return timing + _part("tp_comm", forward, backward)
 
 
+def _gather_and_scatter_ms(num_bytes: float, group: int, cluster, scale: float) -> float:
+    """An all-gather and a reduce-scatter of ``num_bytes`` over ``group`` consecutive ranks."""
+    link = group_link(cluster=cluster, span=group)
+    return math.fsum(collective_ms(kind=kind, num_bytes=num_bytes, group_size=group, link=link, efficiency_scale=scale)
+                     for kind in (Collective.all_gather, Collective.reduce_scatter))
+
+
 def _token_dispatch(shapes: Shapes, device: _Device) -> _Timing:
     """A MoE layer's token movement, forward and backward, all exposed (megatron-core runs it between the
     router and the experts; ``--moe-shared-expert-overlap`` and ``--overlap-moe-expert-parallel-comm`` are
@@ -184,21 +193,12 @@ def _token_dispatch(shapes: Shapes, device: _Device) -> _Timing:
     if shapes.allgather_dispatcher:
         group = ep * etp
         size = e * h * shapes.norm_tokens * group
-        link = group_link(cluster=cluster, span=group)
-        one = (collective_ms(kind=Collective.all_gather, num_bytes=size, group_size=group, link=link,
-                             efficiency_scale=scale)
-               + collective_ms(kind=Collective.reduce_scatter, num_bytes=size, group_size=group, link=link,
-                               efficiency_scale=scale))
+        one = _gather_and_scatter_ms(size, group, cluster, scale)
         return _part("ep_comm", one, one)
     sent = e * h * shapes.norm_tokens * shapes.topk * imbalance
     a2a = all_to_all_ms(num_bytes=sent, group_size=ep, cluster=cluster, stride=etp, efficiency_scale=scale)
     gathered = e * h * shapes.expert_tokens * imbalance
-    link = group_link(cluster=cluster, span=etp)
-    expert_tp = (collective_ms(kind=Collective.all_gather, num_bytes=gathered, group_size=etp, link=link,
-                               efficiency_scale=scale)
-                 + collective_ms(kind=Collective.reduce_scatter, num_bytes=gathered, group_size=etp, link=link,
-                                 efficiency_scale=scale))
-    one = 2 * a2a + expert_tp
+    one = 2 * a2a + _gather_and_scatter_ms(gathered, etp, cluster, scale)
     return _part("ep_comm", one, one)
 
 

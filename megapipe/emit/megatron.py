@@ -32,6 +32,7 @@ from __future__ import annotations
 from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 from megapipe.emit.moe import megatron_moe_args
 from megapipe.emit.precision import megatron_precision_args
+from megapipe.emit.quoting import cli_number
 from megapipe.records import Activation, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 
 __all__ = ["megatron_args", "megatron_env", "recompute_settings", "family_settings"]
@@ -66,10 +67,6 @@ def family_settings(model: ModelSpec) -> dict[str, object]:
     return family
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
 def _shape_args(model: ModelSpec, train: TrainSpec) -> list[str]:
     args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
             "--ffn-hidden-size", str(model.ffn_hidden_size), "--num-attention-heads", str(model.num_attention_heads)]
@@ -85,11 +82,11 @@ def _shape_args(model: ModelSpec, train: TrainSpec) -> list[str]:
     elif Activation(model.activation) == Activation.squared_relu:
         args.append("--squared-relu")
     family = family_settings(model)
-    args += ["--normalization", str(family["normalization"]), "--norm-epsilon", _number(model.norm_epsilon)]
+    args += ["--normalization", str(family["normalization"]), "--norm-epsilon", cli_number(model.norm_epsilon)]
     if not family["add_bias_linear"]:
         args.append("--disable-bias-linear")
-    args += ["--attention-dropout", _number(family["attention_dropout"]),
-             "--hidden-dropout", _number(family["hidden_dropout"])]
+    args += ["--attention-dropout", cli_number(family["attention_dropout"]),
+             "--hidden-dropout", cli_number(family["hidden_dropout"])]
     if model.untie_embeddings_and_output_weights:
         args.append("--untie-embeddings-and-output-weights")
     args += ["--vocab-size", str(model.vocab_size),

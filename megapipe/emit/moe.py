@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from itertools import groupby
 
+from megapipe.emit.quoting import cli_number
 from megapipe.records import ModelSpec, ParallelSpec
 
 __all__ = ["moe_layer_freq_expr", "moe_config", "expert_parallel_config", "megatron_moe_args"]
@@ -93,11 +94,6 @@ def megatron_moe_args(model: ModelSpec, parallel: ParallelSpec) -> list[str]:
         elif name == "moe_layer_freq":
             args += [flag, moe_layer_freq_expr(tuple(int(v) for v in model.moe_layers))]
         elif value is not None and value is not False:
-            args += [flag, _number(value)]
+            args += [flag, cli_number(value) if isinstance(value, (int, float)) else str(value)]
     return args
 
-
-def _number(value: object) -> str:
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() and abs(value) >= 1 else repr(value)
-    return str(value)

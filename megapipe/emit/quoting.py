@@ -12,7 +12,7 @@ import re
 import shlex
 from collections.abc import Iterable
 
-__all__ = ["format_override", "format_value", "shell_join", "shell_quote"]
+__all__ = ["cli_number", "format_override", "format_value", "shell_join", "shell_quote"]
 
 _SHELL_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 _HYDRA_BARE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
@@ -43,6 +43,11 @@ def format_value(value: object, *, quote: bool = False) -> str:
     if '"' not in text and "\\" not in text:
         return f'"{text}"'
     raise ValueError(f"cannot quote {text!r} for a Hydra override")
+
+
+def cli_number(value: float) -> str:
+    """A number as a Megatron-LM flag value: integral values without a decimal point, others as repr."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def format_override(key: str, value: object, *, quote: bool = False) -> str:

@@ -307,7 +307,7 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
             events.append(f"{options.fail_nodes} nodes fail")
         if options.arrive:
             events.append(", ".join(job.name for job in jobs if job.arrives_later) + " arrive")
-        what_if = _concurrent("what-if: " + "; ".join(events), what_if_jobs, picked, peak_flops(cluster))
+        what_if = _concurrent("what-if: " + "; ".join(events), what_if_jobs, picked, peak)
         moves = repack.moves
         moved = tuple(job.name for job, option, prev in zip(what_if_jobs, picked, previous)
                       if prev is not None and (option.group, option.nodes) != prev)

@@ -33,7 +33,7 @@ import numpy as np
 from megapipe.records import LayerCost, LayerKind, StageSpec
 
 __all__ = ["UniformShape", "uniform_shape", "rank_stages", "rank_peaks", "uniform_split", "uniform_fits",
-           "uniform_may_fit", "milp_split",
+           "uniform_may_fit", "milp_split", "bottleneck_of",
            "Unsolved"]
 
 
@@ -397,7 +397,8 @@ def milp_split(*, layers: Sequence[LayerCost], stages: Sequence[StageSpec], rank
     return _entry_milp(layers=layers, stages=stages, ranks=ranks, profiles=profiles, time_limit_s=time_limit_s)
 
 
-def _bottleneck_of(layers, stages, ranks, bounds) -> float:
+def bottleneck_of(layers, stages, ranks, bounds) -> float:
+    """The slowest layout stage's F + B on its rank's GPU."""
     return max(stages[ranks[c]].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in layers[a:b])
                for c, (a, b) in enumerate(zip(bounds, bounds[1:])))
 
@@ -423,7 +424,7 @@ def _run_search(*, layers, runs, stages, ranks, profiles, time_limit_s: float, l
     incumbent = feasible(math.inf)  # memory alone
     if incumbent is None:
         return None
-    high = _bottleneck_of(layers, stages, ranks, incumbent)
+    high = bottleneck_of(layers, stages, ranks, incumbent)
     prefix = np.concatenate([[0.0], np.cumsum([layer.fwd_ms + layer.bwd_ms for layer in layers])])
     sums = (prefix[None, :] - prefix[:, None])[np.triu_indices(len(prefix), 1)]
     scales = sorted({stage.time_scale for stage in stages})

@@ -22,7 +22,7 @@ import numpy as np
 from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.partition.baselines import equal_bounds, parameters_bounds
 from megapipe.partition.build import build_partition, over_memory_message
-from megapipe.partition.coupled import Unsolved, milp_split, rank_peaks, uniform_shape, uniform_split
+from megapipe.partition.coupled import Unsolved, bottleneck_of, milp_split, rank_peaks, uniform_shape, uniform_split
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memory_reach, stage_ranks
 from megapipe.partition.headroom import least_utilisation_split
 from megapipe.partition.minmax import SegmentCost, min_max_split, reachable_sets, segment_cost
@@ -151,11 +151,11 @@ def _coupled_bounds(layers, stages, ranks, in_flight, profiles, *, check_memory:
     free = _optimal_bounds(layers, stages, ranks, in_flight, (math.inf,) * len(ranks), headroom=False)
     if not check_memory or _coupled_fit(layers, stages, ranks, profiles, free):
         return free
-    floor = _bottleneck(layers, stages, ranks, free)
+    floor = bottleneck_of(layers, stages, ranks, free)
     caps = chunk_memory_caps(layers=layers, stages=stages, in_flight=in_flight, ranks=ranks)
     try:  # the per-chunk shares fit the coupled memory too; at the free bottleneck they are optimal
         shared = _optimal_bounds(layers, stages, ranks, in_flight, caps, headroom=False)
-        if _bottleneck(layers, stages, ranks, shared) <= floor * (1 + 1e-12):
+        if bottleneck_of(layers, stages, ranks, shared) <= floor * (1 + 1e-12):
             return shared
     except InfeasibleError:
         pass
@@ -171,11 +171,6 @@ def _coupled_bounds(layers, stages, ranks, in_flight, profiles, *, check_memory:
     if bounds is None:
         raise _MemoryInfeasible(lambda: _coupled_infeasible_message(layers, stages, ranks, profiles, free))
     return bounds
-
-
-def _bottleneck(layers, stages, ranks, bounds) -> float:
-    return max(stages[ranks[c]].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in layers[a:b])
-               for c, (a, b) in enumerate(zip(bounds, bounds[1:])))
 
 
 def _coupled_fit(layers, stages, ranks, profiles, bounds) -> bool:
