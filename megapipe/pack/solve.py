@@ -138,11 +138,9 @@ def solve_milp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], cap
         primary = -met
     x = solve(primary)
     best = float(primary @ x)
-    keep = [(primary, -np.inf, best + _TOL * max(1.0, abs(best)))]
     # stage 2: the tie-break (FLOP/s) for makespan and deadlines
     if objective != "throughput":
-        x = solve(-flops, keep)
-        keep.append((-flops, -np.inf, float(-flops @ x) + _TOL))
+        x = solve(-flops, [(primary, -np.inf, best + _TOL * max(1.0, abs(best)))])
     moves = 0
     if previous is not None:
         stay = np.zeros(width)
