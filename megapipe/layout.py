@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from megapipe.errors import ConfigError
 from megapipe.records import LayerKind
 
-__all__ = ["LETTER", "format_layout", "parse_layout", "mtp_problem", "mtp_standalone"]
+__all__ = ["LETTER", "format_layout", "parse_layout", "mtp_problem", "mtp_standalone", "max_stages"]
 
 LETTER = {LayerKind.embedding: "E", LayerKind.decoder: "t", LayerKind.mtp: "m", LayerKind.loss: "L"}
 _KIND = {v: k for k, v in LETTER.items()}
@@ -59,6 +59,14 @@ def parse_layout(layout: str) -> tuple[tuple[LayerKind, ...], ...]:
             raise ConfigError(f"cannot parse layout stage {text!r} in {layout!r}; use letters E, t, m, L and x*N")
         stages.append(tuple(kinds))
     return tuple(stages)
+
+
+def max_stages(num_layers: int) -> int:
+    """The most layout stages (PP x VP chunks) ``num_layers`` decoders fill: one decoder per stage, and the
+    embedding and the loss each in a chunk of its own at the ends (``E|t|...|t|L``: what Megatron's
+    ``account_for_embedding_in_pipeline_split`` and ``account_for_loss_in_pipeline_split`` build, e.g.
+    126 layers on PP16 x VP8). Every chunk holds a module, so none deadlocks (Megatron-LM #1852)."""
+    return num_layers + 2
 
 
 def _mtp_stages(stage_kinds: Sequence[Sequence[LayerKind]]) -> list[int]:

@@ -26,6 +26,7 @@ __all__ = [
     "NodeGroup",
     "ClusterSpec",
     "RuntimeSpec",
+    "RuntimeFeatures",
     "ParallelSpec",
     "TrainSpec",
     "LayerCost",
@@ -46,8 +47,13 @@ SEARCH_DIMENSIONS = (
     "schedule",
     "expert_model_parallel_size",
     "expert_tensor_parallel_size",
+    "moe_token_dispatcher_type",
+    "overlap_moe_expert_parallel_comm",
+    "cuda_graph_scope",
 )
-"""What ``megapipe plan`` searches when left null; data_parallel_size is what is left of the GPUs."""
+"""What ``megapipe plan`` searches when left null; data_parallel_size is what is left of the GPUs. The last three
+are MoE runtime features (:data:`megapipe.features.SEARCHED`): the dispatcher (alltoall, deepep, hybridep),
+EP overlap, and the CUDA-graph implementation with its scope."""
 
 
 class Activation(str, enum.Enum):
@@ -260,6 +266,11 @@ class RuntimeSpec:
     attention_efficiency_by_architecture: tuple[tuple[str, float], ...] = ()
     comm_efficiency_scale: float = 1.0
     """Collectives in training against nccl-tests' bus bandwidth (contention with compute and other groups)."""
+    host_kernel_us: float = 5.0
+    """CPU time per launched kernel in eager PyTorch with Transformer Engine (Python, dispatcher, launch):
+    :mod:`megapipe.cost.host`. 4-6 us is a bare cudaLaunchKernel's."""
+    host_sync_us: float = 20.0
+    """GPU idle per device-to-host sync: the copy's round trip, the host waking and the next launch."""
 
     def __post_init__(self) -> None:
         for name in ("gemm_efficiency_by_architecture", "attention_efficiency_by_architecture"):
@@ -310,6 +321,56 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeFeatures:
+    """What the training runtime runs beyond the parallel sizes, in megatron-core's TransformerConfig names.
+
+    The defaults are Megatron's, so a plan that names none of them means what Megatron does by default.
+    What each one hides, fuses or removes, and what it costs, is in docs/cost_model.md; which combinations
+    Megatron accepts is :func:`megapipe.features.feature_problem`.
+    """
+
+    moe_token_dispatcher_type: str = "alltoall"
+    """alltoall (NCCL all-to-all over EP), allgather (all-gather over ETP x EP) or flex (DeepEP or HybridEP)."""
+    moe_flex_dispatcher_backend: str = "deepep"
+    """With flex: deepep or hybridep (Megatron's default deepep); unused by the other dispatchers."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """EP all-to-all of one microbatch under another's compute (megatron-core's combined 1F1B)."""
+    delay_wgrad_compute: bool = False
+    """Split the backward so the weight gradients run under the all-to-all (with EP overlap)."""
+    moe_shared_expert_overlap: bool = False
+    """The shared experts run on a side stream under the dispatch (alltoall; excludes EP overlap)."""
+    moe_permute_fusion: bool = False
+    """Transformer Engine's fused permute/unpermute kernels instead of PyTorch's sort and gather."""
+    moe_router_fusion: bool = False
+    """Transformer Engine's fused router score, top-k and aux-loss kernels."""
+    cuda_graph_impl: str = "none"
+    """none, local (megatron-core's graphs) or transformer_engine (TE's make_graphed_callables)."""
+    cuda_graph_scope: tuple[str, ...] = ()
+    """What is captured: attn, mlp, moe, moe_router, moe_preprocess, full_iteration; empty is the whole layer."""
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """With recompute_granularity=selective: core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts."""
+    moe_router_force_load_balancing: bool = False
+    """Route tokens evenly regardless of the router (benchmarking): the busiest rank gets the mean load."""
+    moe_router_padding_for_quantization: bool = False
+    """Pad each expert's tokens in the routing map, instead of padding the permuted tokens, under FP8/FP4."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cuda_graph_scope", tuple(str(v) for v in self.cuda_graph_scope))
+        object.__setattr__(self, "recompute_modules", tuple(str(v) for v in self.recompute_modules))
+
+    @property
+    def dispatcher(self) -> str:
+        """alltoall, allgather, deepep or hybridep: what moves the tokens."""
+        if self.moe_token_dispatcher_type == "flex":
+            return self.moe_flex_dispatcher_backend
+        return self.moe_token_dispatcher_type
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.cuda_graph_impl != "none"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelSpec:
     """Megatron's model-parallel sizes; data_parallel_size is what is left of the GPUs."""
 
@@ -327,8 +388,8 @@ class ParallelSpec:
     """EP: the ranks a MoE layer's experts are spread over (each holds num_moe_experts / EP)."""
     expert_tensor_parallel_size: int = 0
     """ETP: each expert split this many ways; 0 means tensor_model_parallel_size (Megatron's default)."""
-    moe_token_dispatcher_type: str = "alltoall"
-    """alltoall (all-to-all over EP) or allgather (all-gather over ETP x EP)."""
+    features: RuntimeFeatures = field(default_factory=RuntimeFeatures)
+    """The runtime features the plan runs with (dispatcher, overlaps, fusions, CUDA graphs, recompute modules)."""
     tp_comm_overlap: bool = False
     """Megatron's ``--tp-comm-overlap``: Transformer Engine pipelines the TP all-gather and reduce-scatter with
     the GEMMs (userbuffers; needs sequence parallelism)."""
@@ -348,6 +409,10 @@ class ParallelSpec:
     @property
     def expert_tp(self) -> int:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def moe_token_dispatcher_type(self) -> str:
+        return self.features.moe_token_dispatcher_type
 
     @property
     def expert_data_parallel_size(self) -> int:
@@ -404,7 +469,7 @@ class LayerCost:
 
 _LAYER_NUMBERS = ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes")
 
-TIME_PARTS = ("gemm", "attention", "memory_bound", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute")
+TIME_PARTS = ("gemm", "attention", "memory_bound", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute", "host")
 """What a unit's forward + backward time is made of (``LayerCost.parts``), in this order."""
 
 

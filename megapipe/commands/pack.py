@@ -97,7 +97,7 @@ def _write_job_dirs(directory: str, job: PackJob, jobs, options, cluster) -> lis
         result, best = option.result, option.result.best
         gpus = (sub.gpu,) * best.parallel.pipeline_model_parallel_size
         emitted = emit(partition=best.partition, parallel=best.parallel, train=best.train, model=spec.model, gpus=gpus,
-                       bridge_keys=BridgeKeys(job.setup.output.bridge_keys))
+                       bridge_keys=BridgeKeys(job.setup.output.bridge_keys), domain_gpus=sub.domain_gpus)
         launch = launch_script(emitted, gpus_per_node=sub.gpus_per_node, num_nodes=sub.num_nodes,
                                vocab_size=spec.model.vocab_size, title=f"megapipe pack: {spec.name} ({spec.model.name}) "
                                                                       f"on {option.nodes} x {sub.gpu.name} nodes")

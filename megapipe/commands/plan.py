@@ -96,7 +96,7 @@ def _emission(job: PlanJob, result: SearchResult) -> tuple[dict, object, str, tu
     if best.what_if:
         return extra, None, "", nodes
     emitted = emit(partition=best.partition, parallel=best.parallel, train=best.train, model=setup.model, gpus=gpus,
-                   bridge_keys=BridgeKeys(setup.output.bridge_keys))
+                   bridge_keys=BridgeKeys(setup.output.bridge_keys), domain_gpus=setup.cluster.domain_gpus)
     launch = launch_script(emitted, gpus_per_node=setup.cluster.gpus_per_node, num_nodes=setup.cluster.num_nodes,
                            vocab_size=setup.model.vocab_size, node_ranges=node_ranges(nodes) if nodes else "",
                            title=f"megapipe plan of {setup.model.name} on {setup.cluster.name}")

@@ -145,7 +145,8 @@ def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, director
     }
     if result.suggest:
         emitted = emit(partition=result.new, parallel=setup.parallel, train=setup.train, model=setup.model,
-                       gpus=gpus, bridge_keys=BridgeKeys(setup.output.bridge_keys))
+                       gpus=gpus, bridge_keys=BridgeKeys(setup.output.bridge_keys),
+                       domain_gpus=setup.cluster.domain_gpus)
         out.update(megatron_args=emitted.megatron_command, bridge_overrides=list(emitted.bridge_overrides),
                    nemo2_overrides=list(emitted.nemo2_overrides), warnings=list(emitted.warnings))
     return out

@@ -24,7 +24,16 @@ from megapipe.config import Setup, compose, to_setup
 from megapipe.errors import ConfigError
 from megapipe.io import PUBLIC_RUNS, atomic_write_text, read_runs, replace_marked_section
 from megapipe.records import ClusterSpec, RuntimeSpec
-from megapipe.validation.fit import DEFAULT_FIT, FIT_FIELDS, RunSet, fit_indices, fit_runtime, leave_one_out
+from megapipe.validation.fit import (
+    DEFAULT_FIT,
+    FIT_FIELDS,
+    RunSet,
+    fit_indices,
+    fit_runtime,
+    leave_one_out,
+    leave_one_source_out,
+)
+from megapipe.validation.ranking import RankingGroup, ranking_groups, ranking_markdown
 from megapipe.validation.predict import resolve
 from megapipe.validation.report import Row, markdown_table, row_dict, runtime_summary, runtime_yaml, summarise
 from megapipe.validation.runs import PublishedRun
@@ -43,6 +52,7 @@ class ValidateJob:
     """Each run's cluster option as composed (its size is set per run)."""
     fields: tuple[str, ...]
     leave_one_out: bool
+    leave_one_source_out: bool
     docs: str | None
     source: str
 
@@ -87,7 +97,9 @@ def prepare(cfg: DictConfig) -> ValidateJob:
                           "give more runs or fewer validate.fit fields")
     docs = options.get("docs")
     return ValidateJob(setup=setup, runs=runs, clusters=_base_clusters(runs, cfg), fields=fields,
-                       leave_one_out=bool(options.get("leave_one_out", True)), docs=str(docs) if docs else None,
+                       leave_one_out=bool(options.get("leave_one_out", True)),
+                       leave_one_source_out=bool(options.get("leave_one_source_out", True)),
+                       docs=str(docs) if docs else None,
                        source=source)
 
 
@@ -121,6 +133,9 @@ def _rows(job: ValidateJob) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
         fitted = fit_runtime(runs, start=in_use, fields=job.fields, indices=fitting).runtime
         loo = leave_one_out(runs, start=fitted, fields=job.fields, mapper=mapper, indices=fitting) \
             if job.leave_one_out else (None,) * len(runs)
+        loso = leave_one_source_out(runs, start=fitted, fields=job.fields, mapper=mapper, indices=fitting,
+                                    neutral=RuntimeSpec(name=in_use.name)) \
+            if job.leave_one_source_out else (None,) * len(runs)
     finally:
         if pool is not None:
             pool.close()
@@ -128,7 +143,8 @@ def _rows(job: ValidateJob) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
     rows = []
     for index, item in enumerate(resolved):
         plan = runs.plan(index, in_use)
-        rows.append(Row(resolved=item, predicted_s=plan.step_time_s, loo_s=loo[index], breakdown=plan.breakdown,
+        rows.append(Row(resolved=item, predicted_s=plan.step_time_s, loo_s=loo[index], loso_s=loso[index],
+                        breakdown=plan.breakdown,
                         uncalibrated_s=runs.plan(index, RuntimeSpec(name=in_use.name)).step_time_s))
     return rows, in_use, fitted
 
@@ -142,7 +158,11 @@ def run(job: ValidateJob, *, directory: str) -> None:
     rows, in_use, fitted = _rows(job)
     summaries = summarise(rows)
     command = "megapipe validate" + ("" if job.source == PUBLIC_RUNS else f" {os.path.basename(job.source)}")
-    table = markdown_table(rows, summaries, runtime=in_use, command=command)
+    ranked = ranking_groups(rows)
+    ranked_loso = ranking_groups(rows, predicted=lambda row: row.loso_s) if job.leave_one_source_out else ()
+    table = (markdown_table(rows, summaries, runtime=in_use, command=command)
+             + "\nRanking checks (runs of one model on one GPU count within one source, ordered by measured "
+             "throughput):\n\n" + ranking_markdown(ranked, loso=ranked_loso))
     runtime_text = runtime_yaml(fitted, comment=(
         f"{fitted.name}: fitted by `{command}` on {len(rows)} runs ({', '.join(job.fields)}).\n"
         "Copy to hydra_conf/runtime/ to plan with it."))
@@ -162,15 +182,18 @@ def run(job: ValidateJob, *, directory: str) -> None:
     if job.setup.output.json:
         print_json(result)
         return
-    _print(rows, summaries, in_use=in_use, fitted=fitted, directory=directory, docs=job.docs)
+    _print(rows, summaries, in_use=in_use, fitted=fitted, directory=directory, docs=job.docs,
+           ranked=ranked, ranked_loso=ranked_loso)
 
 
-def _print(rows, summaries, *, in_use: RuntimeSpec, fitted: RuntimeSpec, directory: str, docs: str | None) -> None:
+def _print(rows, summaries, *, in_use: RuntimeSpec, fitted: RuntimeSpec, directory: str, docs: str | None,
+           ranked: tuple[RankingGroup, ...] = (), ranked_loso: tuple[RankingGroup, ...] = ()) -> None:
     from rich.table import Table
 
     out = console(soft_wrap=True)
     table = Table(title="predicted against measured step time")
-    for column in ("run", "GPUs", "prec", "measured s", "predicted s", "error", "LOO", "uncalibrated", "largest parts"):
+    for column in ("run", "GPUs", "prec", "measured s", "predicted s", "error", "LOSO", "LOO", "uncalibrated",
+                   "largest parts"):
         table.add_column(column, justify="left" if column in ("run", "largest parts") else "right")
     for row in rows:
         run = row.resolved.run
@@ -178,15 +201,28 @@ def _print(rows, summaries, *, in_use: RuntimeSpec, fitted: RuntimeSpec, directo
         total = sum(ms for _, ms in row.breakdown) or 1.0
         table.add_row(run.id, f"{run.num_gpus:,} {run.cluster}", run.precision, f"{row.measured_s:.3g}",
                       f"{row.predicted_s:.3g}", f"{row.error:+.1%}",
+                      "" if row.loso_error is None else f"{row.loso_error:+.1%}",
                       "" if row.loo_error is None else f"{row.loo_error:+.1%}", f"{row.uncalibrated_error:+.1%}",
                       ", ".join(f"{name} {ms / total:.0%}" for name, ms in parts))
     out.print(table)
     for item in summaries:
-        loo = "" if item.mean_abs_loo_error is None else (f", leave-one-out mean {item.mean_abs_loo_error:.1%} "
-                                                          f"max {item.max_abs_loo_error:.1%}")
-        out.print(f"{item.group:>12}: {item.runs:3d} runs, |error| mean {item.mean_abs_error:.1%} max "
-                  f"{item.max_abs_error:.1%}{loo} (uncalibrated mean {item.mean_abs_uncalibrated_error:.1%})",
+        loso = "" if item.mean_abs_loso_error is None else (
+            f"leave-one-source-out |error| mean {item.mean_abs_loso_error:.1%} max {item.max_abs_loso_error:.1%}; ")
+        loo = "" if item.mean_abs_loo_error is None else (f"leave-one-run-out mean {item.mean_abs_loo_error:.1%} "
+                                                          f"max {item.max_abs_loo_error:.1%}; ")
+        out.print(f"{item.group:>12}: {item.runs:3d} runs, {loso}{loo}fitted on all: mean {item.mean_abs_error:.1%} "
+                  f"max {item.max_abs_error:.1%} (uncalibrated mean {item.mean_abs_uncalibrated_error:.1%})",
                   markup=False)
+    for label, groups in (("fitted runtime", ranked), ("leave-one-source-out", ranked_loso)):
+        if not groups:
+            continue
+        held = sum(group.holds for group in groups)
+        out.print(f"ranking ({label}): {held} of {len(groups)} groups in the measured order", markup=False)
+        for group in groups:
+            if not group.holds:
+                pairs = "; ".join(f"{fast} measured faster than {slow}" for fast, slow in group.inverted)
+                out.print(f"  inverted in {group.source} ({group.model}, {group.num_gpus} GPUs, tau "
+                          f"{group.tau:+.2f}): {pairs}", markup=False)
     out.print(f"runtime in use: {runtime_summary(in_use)}", markup=False)
     out.print(f"fitted on these runs: {runtime_summary(fitted)}", markup=False)
     out.print(f"files: {directory}/validation.md, validation.json, runtime.yaml" +

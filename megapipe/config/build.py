@@ -42,6 +42,7 @@ from megapipe.config.validate import (
     positive_int,
 )
 from megapipe.errors import ConfigError
+from megapipe.features import feature_problem
 from megapipe.plan.plans import SearchOptions
 from megapipe.records import (
     SEARCH_DIMENSIONS,
@@ -54,6 +55,7 @@ from megapipe.records import (
     NodeGroup,
     ParallelSpec,
     Recompute,
+    RuntimeFeatures,
     RuntimeSpec,
     TrainSpec,
 )
@@ -337,15 +339,59 @@ def _fill(given: Mapping[str, object], cluster: ClusterSpec, fill: Mapping[str, 
     return values
 
 
-DISPATCHERS = ("alltoall", "allgather")
+def _flag(node: DictConfig, key: str) -> bool | None:
+    value = node.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    raise ConfigError(f"{key}={value!r} must be true, false or null")
 
 
-def _dispatcher(value) -> str:
-    name = str(value)
-    if name not in DISPATCHERS:
-        raise ConfigError(f"parallel.moe_token_dispatcher_type={name!r} is not modelled; use alltoall or allgather "
-                          "(flex needs DeepEP, whose kernels megapipe does not cost)")
-    return name
+def _names(node: DictConfig, key: str) -> tuple[str, ...] | None:
+    value = node.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, ListConfig):
+        return tuple(str(item) for item in value)
+    raise ConfigError(f"{key}={value!r} must be a list such as [attn,moe_router]")
+
+
+def _features(cfg: DictConfig, model: ModelSpec, *, search: bool) -> tuple[RuntimeFeatures, dict[str, object]]:
+    """The runtime features, and the searched ones the config pins (by :data:`megapipe.features.SEARCHED` name).
+
+    Null means Megatron's default, except in ``megapipe plan`` for a MoE model: the searched ones are left to
+    the search, and the fusions are on (as every Megatron-Bridge MoE recipe sets them)."""
+    par, train = cfg.parallel, cfg.train
+    dispatcher, backend = par.get("moe_token_dispatcher_type"), par.get("moe_flex_dispatcher_backend")
+    if backend is not None and dispatcher is None:
+        dispatcher = "flex"
+    overlap = _flag(par, "overlap_moe_expert_parallel_comm")
+    delay = _flag(par, "delay_wgrad_compute")
+    impl, scope = train.get("cuda_graph_impl"), _names(train, "cuda_graph_scope")
+    if scope is not None and impl is None:
+        impl = "transformer_engine"
+    fused = search and model.is_moe
+    permute, router = _flag(train, "moe_permute_fusion"), _flag(train, "moe_router_fusion")
+    modules = _names(train, "recompute_modules")
+    features = RuntimeFeatures(
+        moe_token_dispatcher_type=str(dispatcher or "alltoall"), moe_flex_dispatcher_backend=str(backend or "deepep"),
+        overlap_moe_expert_parallel_comm=bool(overlap), delay_wgrad_compute=bool(overlap if delay is None else delay),
+        moe_shared_expert_overlap=bool(_flag(par, "moe_shared_expert_overlap")),
+        moe_permute_fusion=fused if permute is None else permute, moe_router_fusion=fused if router is None else router,
+        cuda_graph_impl=str(impl or "none"), cuda_graph_scope=scope or (),
+        recompute_modules=("core_attn",) if modules is None else modules,
+        moe_router_force_load_balancing=bool(_flag(train, "moe_router_force_load_balancing")),
+        moe_router_padding_for_quantization=bool(_flag(train, "moe_router_padding_for_quantization")),
+    )
+    pinned = {}
+    if dispatcher is not None:
+        pinned["moe_token_dispatcher_type"] = features.dispatcher
+    if overlap is not None:
+        pinned["overlap_moe_expert_parallel_comm"] = features.overlap_moe_expert_parallel_comm
+    if impl is not None:
+        pinned["cuda_graph_scope"] = (features.cuda_graph_impl, features.cuda_graph_scope)
+    return features, pinned
 
 
 def _expert_sizes(model: ModelSpec, values: Mapping, *, tp: int, stage: int, cluster: ClusterSpec,
@@ -406,11 +452,12 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
         )
     dp = cluster.num_gpus // (tp * pp * cp)
     ep, etp = _expert_sizes(model, values, tp=tp, stage=tp * cp * dp, cluster=cluster, search=search)
+    features, pinned = _features(cfg, model, search=search)
     parallel = ParallelSpec(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
         context_parallel_size=cp, data_parallel_size=dp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        moe_token_dispatcher_type=_dispatcher(cfg.parallel.get("moe_token_dispatcher_type", "alltoall")),
+        features=features,
         sequence_parallel=bool(values["sequence_parallel"]),
         use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
         microbatch_group_size_per_vp_stage=group,
@@ -432,6 +479,10 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
         check_precision(train, group.gpu, where=f"cluster.node_groups[{index}].gpu" if cluster.is_heterogeneous
                         else "cluster.gpu")
     _check_run_size(cfg)
+    problem = feature_problem(features, model=model, parallel=None if search else parallel, train=train)
+    if problem:
+        raise ConfigError(problem)
+    given.update(pinned)
     if "recompute_granularity" in given:
         given["recompute_granularity"] = train.recompute_granularity
     stage_times = cfg.get("stage_times")

@@ -211,8 +211,18 @@ class ParallelConfig:
     """EP (MoE models): experts spread over this many ranks; null is searched (1 for dense models)."""
     expert_tensor_parallel_size: Optional[int] = None
     """ETP: each expert split this many ways; null is searched for MoE models (TP elsewhere, Megatron's default)."""
-    moe_token_dispatcher_type: str = "alltoall"
-    """alltoall or allgather (Megatron's --moe-token-dispatcher-type; flex needs DeepEP and is not modelled)."""
+    moe_token_dispatcher_type: Optional[str] = None
+    """MoE: alltoall, allgather or flex (DeepEP or HybridEP, moe_flex_dispatcher_backend); null is searched by
+    `megapipe plan` (alltoall, flex/deepep, flex/hybridep) and is Megatron's alltoall elsewhere."""
+    moe_flex_dispatcher_backend: Optional[str] = None
+    """With flex: deepep or hybridep; setting it alone implies moe_token_dispatcher_type=flex."""
+    overlap_moe_expert_parallel_comm: Optional[bool] = None
+    """MoE: run each EP all-to-all under another microbatch's compute (combined 1F1B; needs PP=1 or VP >= 2 and
+    CUDA_DEVICE_MAX_CONNECTIONS > 1); null is searched by `megapipe plan`, off elsewhere."""
+    delay_wgrad_compute: Optional[bool] = None
+    """With EP overlap: the weight gradients run under the backward all-to-all; null follows the overlap."""
+    moe_shared_expert_overlap: bool = False
+    """MoE with shared experts, alltoall dispatcher, without EP overlap: shared experts under the dispatch."""
 
 
 @dataclass
@@ -238,6 +248,22 @@ class TrainConfig:
     moe_load_imbalance: float = 1.0
     """MoE routing assumption: the busiest expert-parallel rank gets this many times the mean tokens
     (1.0 = balanced, what aux-loss-free or forced balancing aims for)."""
+    moe_permute_fusion: Optional[bool] = None
+    """MoE: Transformer Engine's fused permute/unpermute; null is on in `megapipe plan` (as every
+    Megatron-Bridge MoE recipe sets it), Megatron's off elsewhere."""
+    moe_router_fusion: Optional[bool] = None
+    """MoE: Transformer Engine's fused router kernels; null as moe_permute_fusion."""
+    cuda_graph_impl: Optional[str] = None
+    """none, local or transformer_engine; null is searched with cuda_graph_scope for MoE plans, none elsewhere."""
+    cuda_graph_scope: Optional[List[str]] = None
+    """What the graphs capture: attn, mlp, moe, moe_router, moe_preprocess, full_iteration; [] the whole layer."""
+    recompute_modules: Optional[List[str]] = None
+    """With recompute_granularity=selective: core_attn, moe_act, layernorm, mla_up_proj, mlp, moe,
+    shared_experts; null is Megatron's [core_attn]."""
+    moe_router_force_load_balancing: bool = False
+    """Route evenly regardless of the router (a benchmarking switch of Megatron's): balanced experts."""
+    moe_router_padding_for_quantization: bool = False
+    """FP8 MoE: pad each expert's tokens in the routing map (sent through the all-to-all) instead of after it."""
 
 
 @dataclass
@@ -303,6 +329,9 @@ class ValidateConfig:
     """Only these runs of the data set (by id); null means all."""
     leave_one_out: bool = True
     """Refit without each run in turn and predict it (about a minute per 60 runs)."""
+    leave_one_source_out: bool = True
+    """Refit without every run of one source (table, paper, write-up) in turn and predict those runs: the
+    headline error, what a new source can expect."""
     fit: Optional[List[str]] = None
     """Runtime fields to fit (megapipe.validation.fit.FIT_FIELDS); null means DEFAULT_FIT."""
     docs: Optional[str] = None

@@ -21,6 +21,15 @@ computes the lower triangle plus the diagonal blocks it cannot skip; the backwar
 ``s x s`` matmuls against the forward's two (2.5x the FLOPs). Query blocks of 128 rows per head
 are the kernel's thread blocks, quantized in waves over the SMs like GEMM tiles.
 
+**Grouped GEMM** (a MoE layer's routed experts; Transformer Engine's ``GroupedLinear``, which runs one
+cuBLAS GEMM per local expert over :data:`GEMM_STREAMS` CUDA streams, ``nvte_multi_stream_cublas_gemm``):
+the GEMMs of one round of streams share the SMs' waves. Each expert streams its own weights, which a
+small token count per expert cannot hide under its MMAs: ``time = max(c, m) + beta min(c, m)`` for
+compute ``c`` and operand traffic ``m``, with ``beta`` = :data:`GROUPED_LOAD_SHARE` from DeepGEMM's
+published table (H800 FP8, 16 shapes from 64 to 8,192 rows per expert; fitted there with 6.4% rms
+error, against 23% for the plain roofline). It gives the small-M roll-off of grouped GEMMs: about
+``M / (M + M_half)`` of the large-M rate with ``M_half = peak x element bytes / (2 x HBM bandwidth)``.
+
 **Memory-bound kernels** move ``bytes`` at ``bandwidth_efficiency * hbm`` plus a fixed overhead
 per kernel.
 """
@@ -32,7 +41,8 @@ import math
 from megapipe.errors import ConfigError
 from megapipe.records import GpuSpec, RuntimeSpec
 
-__all__ = ["peak_flops", "gemm_ms", "attention_ms", "memory_ms", "kernel_overhead_ms", "FLASH_BACKWARD_FLOPS"]
+__all__ = ["peak_flops", "gemm_ms", "grouped_gemm_ms", "attention_ms", "memory_ms", "kernel_overhead_ms",
+           "FLASH_BACKWARD_FLOPS", "GEMM_STREAMS", "GROUPED_LOAD_SHARE"]
 
 _TF32_FRACTION = 0.5
 """TF32 tensor-core peak / bf16 peak on A100, H100, H200 and B200 datasheets."""
@@ -42,6 +52,12 @@ _ATTENTION_BLOCK = 128
 FLASH_BACKWARD_FLOPS = 2.5
 """Backward / forward FLOPs of flash attention: Q K^T recomputed, dV, dP, dQ, dK (Dao 2023, Sec. 3.1)."""
 _BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
+GEMM_STREAMS = 4
+"""CUDA streams Transformer Engine spreads a grouped GEMM's per-expert GEMMs over
+(``transformer_engine/common/gemm/cublaslt_gemm.cu``, ``num_streams = 4``)."""
+GROUPED_LOAD_SHARE = 0.6
+"""Share of the smaller of compute and operand-load time a grouped GEMM does not overlap (DeepGEMM README at
+327ec92f, H800 SXM5 FP8 grouped and small-M tables: least-squares fit over 16 shapes, beta = 0.615)."""
 
 
 def peak_flops(gpu: GpuSpec, dtype: str = "bf16") -> float:
@@ -117,3 +133,19 @@ def attention_ms(*, batch_heads: float, q_len: int, kv_len: int, head_dim: int, 
     rate = efficiency * runtime.attention_scale(gpu.architecture) * peak_flops(gpu, "bf16")
     blocks = int(math.ceil(batch_heads)) * math.ceil(q_len / _ATTENTION_BLOCK)
     return flops / (rate * _waves_utilization(blocks, gpu.num_sms)) * 1e3 + kernel_overhead_ms(gpu, calls)
+
+
+def grouped_gemm_ms(*, m: float, n: float, k: float, groups: int, dtype: str, gpu: GpuSpec,
+                    runtime: RuntimeSpec = RuntimeSpec(), out_bytes: int = 2) -> float:
+    """``groups`` GEMMs of ``m x n`` over ``k`` each (the local experts, ``m`` the busiest expert's rows), as
+    Transformer Engine runs them: one cuBLAS GEMM per expert over :data:`GEMM_STREAMS` streams; 0 when empty."""
+    if m <= 0 or n <= 0 or k <= 0 or groups <= 0:
+        return 0.0
+    m, n = int(math.ceil(m)), int(math.ceil(n))
+    concurrent = min(GEMM_STREAMS, groups)
+    utilization = _tile_utilization(m, n, gpu.num_sms, concurrent)
+    compute = 2.0 * groups * m * n * k / (_gemm_rate(gpu, dtype, runtime) * utilization)
+    traffic = groups * (_BYTES[dtype] * (m * k + k * n) + out_bytes * m * n)
+    memory = traffic / (gpu.bandwidth_efficiency * gpu.hbm_gbytes_per_s * 1e9)
+    seconds = max(compute, memory) + GROUPED_LOAD_SHARE * min(compute, memory)
+    return seconds * 1e3 + kernel_overhead_ms(gpu, math.ceil(groups / GEMM_STREAMS))

@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
-
-from megapipe.cost.comm import Collective, all_to_all_ms, collective_ms, group_link, p2p_link, p2p_ms, tensor_parallel_link
-from megapipe.cost.flops import Gemm, decoder_gemms, eh_proj_gemm, output_gemms
-from megapipe.cost.kernels import attention_ms, gemm_ms, memory_ms
+from megapipe.cost.comm import Collective, collective_ms, p2p_link, p2p_ms, tensor_parallel_link
+from megapipe.cost.flops import Gemm, attention_gemms, eh_proj_gemm, mlp_gemms, output_gemms
+from megapipe.cost.host import captured_scopes, exposed_host_ms, syncs_per_forward, unit_kernels
+from megapipe.cost.kernels import attention_ms, gemm_ms, grouped_gemm_ms, memory_ms
+from megapipe.cost.moe import moe_timing, padding_rows
 from megapipe.cost.memory import (
     decoder_activation_bytes,
     embedding_activation_bytes,
@@ -58,7 +58,9 @@ from megapipe.cost.params import (
     unit_static_bytes,
 )
 from megapipe.cost.shapes import Shapes, shapes_of
+from megapipe.cost.timing import Device, Timing, part
 from megapipe.cost.traffic import (
+    recompute_traffic_bytes,
     attention_core_traffic_bytes,
     decoder_kernels,
     decoder_traffic_bytes,
@@ -86,45 +88,17 @@ __all__ = ["layer_costs", "distinct_units", "unit_runs"]
 
 _CROSS_ENTROPY_ALL_REDUCES = 3
 """Max, target logit and sum of exp, each a [s, b] fp32 all-reduce (Megatron's vocab_parallel_cross_entropy)."""
-_PART = {name: index for index, name in enumerate(TIME_PARTS)}
 
 
-@dataclass(frozen=True, slots=True)
-class _Timing:
-    fwd_ms: float = 0.0
-    bwd_ms: float = 0.0
-    wgrad_ms: float = 0.0
-    parts: tuple[float, ...] = (0.0,) * len(TIME_PARTS)
-
-    def __add__(self, other: "_Timing") -> "_Timing":
-        return _Timing(self.fwd_ms + other.fwd_ms, self.bwd_ms + other.bwd_ms, self.wgrad_ms + other.wgrad_ms,
-                       tuple(a + b for a, b in zip(self.parts, other.parts)))
-
-
-def _part(name: str, fwd_ms: float, bwd_ms: float = 0.0, wgrad_ms: float = 0.0) -> _Timing:
-    parts = [0.0] * len(TIME_PARTS)
-    parts[_PART[name]] = fwd_ms + bwd_ms
-    return _Timing(fwd_ms, bwd_ms, wgrad_ms, tuple(parts))
-
-
-@dataclass(frozen=True, slots=True)
-class _Device:
-    gpu: GpuSpec
-    link: LinkSpec
-    """The tensor-parallel group's link."""
-    cp_link: LinkSpec
-    runtime: RuntimeSpec
-    tp_comm_overlap: bool
-    cluster: ClusterSpec
-
-
-def _gemm(m: float, n: float, k: float, shapes: Shapes, device: _Device, dtype: str | None = None,
+def _gemm(m: float, n: float, k: float, shapes: Shapes, device: Device, dtype: str | None = None,
           groups: int = 1) -> float:
-    return gemm_ms(m=m, n=n, k=k, dtype=dtype or shapes.gemm_dtype, gpu=device.gpu, runtime=device.runtime,
-                   groups=groups)
+    if groups > 1:
+        return grouped_gemm_ms(m=m, n=n, k=k, groups=groups, dtype=dtype or shapes.gemm_dtype, gpu=device.gpu,
+                               runtime=device.runtime)
+    return gemm_ms(m=m, n=n, k=k, dtype=dtype or shapes.gemm_dtype, gpu=device.gpu, runtime=device.runtime)
 
 
-def _tp_ms(kind: Collective, shapes: Shapes, device: _Device, num_bytes: float | None = None) -> float:
+def _tp_ms(kind: Collective, shapes: Shapes, device: Device, num_bytes: float | None = None) -> float:
     """One collective over the TP group on the full ``[s/cp, b, h]`` hidden state (or ``num_bytes``)."""
     if num_bytes is None:
         num_bytes = shapes.element_bytes * shapes.tokens * shapes.hidden_size
@@ -132,14 +106,14 @@ def _tp_ms(kind: Collective, shapes: Shapes, device: _Device, num_bytes: float |
                          link=device.link, efficiency_scale=device.runtime.comm_efficiency_scale)
 
 
-def _exposed(comm_ms: float, under_ms: float, shapes: Shapes, device: _Device, *, hidden: bool) -> float:
+def _exposed(comm_ms: float, under_ms: float, shapes: Shapes, device: Device, *, hidden: bool) -> float:
     """What a collective shows beside the GEMM ``under_ms`` it may overlap with."""
     if device.tp_comm_overlap:
         return max(0.0, comm_ms - under_ms) + min(comm_ms, under_ms) / shapes.tensor_model_parallel_size
     return max(0.0, comm_ms - under_ms) if hidden else comm_ms
 
 
-def _linear(gemm: Gemm, shapes: Shapes, device: _Device, *, dtype: str | None = None) -> _Timing:
+def _linear(gemm: Gemm, shapes: Shapes, device: Device, *, dtype: str | None = None) -> Timing:
     """One linear layer: forward, dgrad and wgrad GEMMs and its exposed TP collectives.
 
     A grouped GEMM (the routed experts) runs ``groups`` products of the busiest rank's tokens per expert
@@ -149,10 +123,12 @@ def _linear(gemm: Gemm, shapes: Shapes, device: _Device, *, dtype: str | None = 
         dtype = "bf16"
     groups = gemm.groups
     rows = gemm.tokens * (shapes.moe_load_imbalance if groups > 1 else 1.0) / groups
+    if groups > 1:
+        rows += padding_rows(shapes)
     fwd = _gemm(rows, gemm.n, gemm.k, shapes, device, dtype, groups)
     dgrad = _gemm(rows, gemm.k, gemm.n, shapes, device, dtype, groups)
     wgrad = _gemm(gemm.k, gemm.n, rows, shapes, device, dtype, groups)
-    timing = _part("gemm", fwd, dgrad + wgrad, wgrad)
+    timing = part("gemm", fwd, dgrad + wgrad, wgrad)
     if shapes.tensor_model_parallel_size == 1 or not gemm.comm_width:
         return timing
     sp = shapes.sequence_parallel
@@ -166,49 +142,16 @@ def _linear(gemm: Gemm, shapes: Shapes, device: _Device, *, dtype: str | None = 
     else:
         forward = _exposed(reduce, fwd, shapes, device, hidden=False)
         backward = _exposed(gather, dgrad, shapes, device, hidden=False)
-    return timing + _part("tp_comm", forward, backward)
+    return timing + part("tp_comm", forward, backward)
 
 
-def _gather_and_scatter_ms(num_bytes: float, group: int, cluster, scale: float) -> float:
-    """An all-gather and a reduce-scatter of ``num_bytes`` over ``group`` consecutive ranks."""
-    link = group_link(cluster=cluster, span=group)
-    return math.fsum(collective_ms(kind=kind, num_bytes=num_bytes, group_size=group, link=link, efficiency_scale=scale)
-                     for kind in (Collective.all_gather, Collective.reduce_scatter))
-
-
-def _token_dispatch(shapes: Shapes, device: _Device) -> _Timing:
-    """A MoE layer's token movement, forward and backward, all exposed (megatron-core runs it between the
-    router and the experts; ``--moe-shared-expert-overlap`` and ``--overlap-moe-expert-parallel-comm`` are
-    not modelled).
-
-    alltoall (``MoEAlltoAllTokenDispatcher``): an all-to-all over EP of the ``topk`` copies of each
-    sequence-parallel token, then an all-gather over expert TP; the combine reverses both (a
-    reduce-scatter over ETP, an all-to-all back); the backward mirrors the four. allgather
-    (``MoEAllGatherTokenDispatcher``): the hidden states all-gathered over ETP x EP and reduce-scattered
-    back. The busiest rank receives the stated load imbalance times the mean.
-    """
-    e, h, imbalance = shapes.element_bytes, shapes.hidden_size, shapes.moe_load_imbalance
-    ep, etp = shapes.expert_model_parallel_size, shapes.expert_tensor_parallel_size
-    scale, cluster = device.runtime.comm_efficiency_scale, device.cluster
-    if shapes.allgather_dispatcher:
-        group = ep * etp
-        size = e * h * shapes.norm_tokens * group
-        one = _gather_and_scatter_ms(size, group, cluster, scale)
-        return _part("ep_comm", one, one)
-    sent = e * h * shapes.norm_tokens * shapes.topk * imbalance
-    a2a = all_to_all_ms(num_bytes=sent, group_size=ep, cluster=cluster, stride=etp, efficiency_scale=scale)
-    gathered = e * h * shapes.expert_tokens * imbalance
-    one = 2 * a2a + _gather_and_scatter_ms(gathered, etp, cluster, scale)
-    return _part("ep_comm", one, one)
-
-
-def _memory(name: str, forward_bytes: float, backward_bytes: float, kernels: tuple[int, int], device: _Device) -> _Timing:
+def _memory(name: str, forward_bytes: float, backward_bytes: float, kernels: tuple[int, int], device: Device) -> Timing:
     gpu = device.gpu
-    return _part(name, memory_ms(num_bytes=forward_bytes, gpu=gpu, kernels=kernels[0]),
+    return part(name, memory_ms(num_bytes=forward_bytes, gpu=gpu, kernels=kernels[0]),
                  memory_ms(num_bytes=backward_bytes, gpu=gpu, kernels=kernels[1]))
 
 
-def _attention_core(shapes: Shapes, device: _Device) -> _Timing:
+def _attention_core(shapes: Shapes, device: Device) -> Timing:
     heads = shapes.micro_batch_size * shapes.num_attention_heads / shapes.tensor_model_parallel_size
     # Q K^T runs over the query-key width per head, P V over the value width (MLA's differ): their mean.
     head_dim = (shapes.query_size + shapes.attention_out_size) / (2 * shapes.num_attention_heads)
@@ -217,77 +160,130 @@ def _attention_core(shapes: Shapes, device: _Device) -> _Timing:
         scores = _gemm(rows, s, d, shapes, device, "bf16")
         context = _gemm(rows, d, s, shapes, device, "bf16")
         traffic = attention_core_traffic_bytes(shapes)
-        return (_part("attention", scores + context, 2 * (scores + context))
+        return (part("attention", scores + context, 2 * (scores + context))
                 + _memory("attention", traffic, 2 * traffic, (1, 1), device))
     cp = shapes.context_parallel_size
     common = dict(batch_heads=heads, q_len=shapes.local_seq_length, kv_len=shapes.seq_length,
                   head_dim=head_dim, causal=True, gpu=device.gpu, runtime=device.runtime, calls=cp)
-    return _part("attention", attention_ms(backward=False, **common), attention_ms(backward=True, **common))
+    return part("attention", attention_ms(backward=False, **common), attention_ms(backward=True, **common))
 
 
-def _ring_exchange(shapes: Shapes, core: _Timing, device: _Device) -> _Timing:
+def _ring_exchange(shapes: Shapes, core: Timing, device: Device) -> Timing:
     """Context parallelism's exposed K, V transfers, forward and backward."""
     cp = shapes.context_parallel_size
     if cp == 1:
-        return _Timing()
+        return Timing()
     block = shapes.element_bytes * shapes.tokens * (shapes.kv_size + shapes.value_size) / shapes.tensor_model_parallel_size
     send = p2p_ms(num_bytes=block, link=device.cp_link, efficiency_scale=device.runtime.comm_efficiency_scale)
     forward = (cp - 1) * max(0.0, send - core.fwd_ms / cp)
     backward = (cp - 1) * max(0.0, 2 * send - core.bwd_ms / cp)
-    return _part("cp_comm", forward, backward)
+    return part("cp_comm", forward, backward)
 
 
-def _recompute(timing: _Timing, core: _Timing, shapes: Shapes) -> _Timing:
+def _recompute(timing: Timing, pieces: dict[str, float], shapes: Shapes) -> Timing:
+    """The forward the backward runs again: all of it under full recompute; under selective, each of
+    ``recompute_modules`` (``pieces`` holds every module's forward ms): core attention by default
+    (Korthikanti et al. 2022, Sec. 5), the norms, MLA's up-projections, the MoE activation, the dense MLP,
+    the shared experts or the whole MoE layer (megatron-core ``TransformerLayer``'s checkpointed modules)."""
     if shapes.recompute == Recompute.full:
-        return timing + _part("recompute", 0.0, timing.fwd_ms)
+        return timing + part("recompute", 0.0, timing.fwd_ms)
     if shapes.recompute == Recompute.selective:
-        return timing + _part("recompute", 0.0, core.fwd_ms)
+        extra = math.fsum(pieces.get(module, 0.0) for module in dict.fromkeys(shapes.features.recompute_modules))
+        return timing + part("recompute", 0.0, extra)
     return timing
 
 
-def _decoder_timing(shapes: Shapes, device: _Device, *, moe: bool = False) -> _Timing:
+def _pieces(shapes: Shapes, device: Device, *, core: Timing, attention_gemms_timed: dict[str, Timing],
+            mlp: dict[str, Timing], moe_extra: Timing, moe: bool) -> dict[str, float]:
+    """Each recompute module's forward ms for this layer."""
+    gpu = device.gpu
+
+    def memory_of(module: str, kernels: int) -> float:
+        num_bytes = recompute_traffic_bytes(shapes, module, moe=moe)
+        return memory_ms(num_bytes=num_bytes, gpu=gpu, kernels=kernels) if num_bytes else 0.0
+
+    def gemms(prefix: str) -> float:
+        return math.fsum(timing.fwd_ms for name, timing in mlp.items() if name.startswith(prefix))
+
+    pieces = {"core_attn": core.fwd_ms, "layernorm": memory_of("layernorm", 2)}
+    if shapes.mla:
+        pieces["mla_up_proj"] = math.fsum(timing.fwd_ms for name, timing in attention_gemms_timed.items()
+                                          if name.endswith("_up_proj"))
+    if moe:
+        pieces["moe_act"] = memory_of("moe_act", 1)
+        pieces["shared_experts"] = gemms("shared_experts.") + memory_of("shared_experts", 1)
+        pieces["moe"] = sum(timing.fwd_ms for timing in mlp.values()) + moe_extra.fwd_ms + memory_of("moe", 2)
+    else:
+        pieces["mlp"] = gemms("linear_fc") + memory_of("mlp", 1)
+    return pieces
+
+
+def _decoder_timing(shapes: Shapes, device: Device, *, moe: bool = False) -> Timing:
     core = _attention_core(shapes, device)
-    timing = core + _ring_exchange(shapes, core, device)
-    for gemm in decoder_gemms(shapes, moe=moe):
-        timing = timing + _linear(gemm, shapes, device)
+    attention = core + _ring_exchange(shapes, core, device)
+    projections = {gemm.name: _linear(gemm, shapes, device) for gemm in attention_gemms(shapes)}
+    attention = attention + _sum(projections.values())
+    mlp = {gemm.name: _linear(gemm, shapes, device) for gemm in mlp_gemms(shapes, moe=moe)}
+    timing = attention + _sum(mlp.values())
     traffic = decoder_traffic_bytes(shapes, moe=moe)
     timing = timing + _memory("memory_bound", traffic, 2 * traffic, decoder_kernels(shapes, moe=moe), device)
     timing = timing + _memory("fp8_cast", *fp8_cast_traffic_bytes(shapes, moe=moe),
                               fp8_cast_kernels(shapes, moe=moe), device)
-    if moe:
-        timing = timing + _token_dispatch(shapes, device)
-    return _recompute(timing, core, shapes)
+    extra = moe_timing(shapes, device, attention=attention, mlp=mlp) if moe else Timing()
+    timing = timing + extra
+    timing = timing + _host(shapes, device, timing, moe=moe)
+    pieces = _pieces(shapes, device, core=core, attention_gemms_timed=projections, mlp=mlp, moe_extra=extra, moe=moe)
+    return _recompute(timing, pieces, shapes)
 
 
-def _embedding_timing(shapes: Shapes, device: _Device) -> _Timing:
+def _sum(timings) -> Timing:
+    total = Timing()
+    for timing in timings:
+        total = total + timing
+    return total
+
+
+def _host(shapes: Shapes, device: Device, timing: Timing, *, moe: bool) -> Timing:
+    """What the CPU adds: launches beyond the GPU's work, and the MoE layer's token-count sync (:mod:`megapipe.cost.host`)."""
+    runtime, kernels = device.runtime, unit_kernels(shapes, moe=moe)
+    captured = captured_scopes(shapes)
+    forward = exposed_host_ms(gpu_ms=timing.fwd_ms, launches=kernels.launches(captured, backward=False),
+                              syncs=syncs_per_forward(shapes, moe=moe), host_kernel_us=runtime.host_kernel_us,
+                              host_sync_us=runtime.host_sync_us)
+    backward = exposed_host_ms(gpu_ms=timing.bwd_ms, launches=kernels.launches(captured, backward=True), syncs=0,
+                               host_kernel_us=runtime.host_kernel_us, host_sync_us=runtime.host_sync_us)
+    return part("host", forward, backward)
+
+
+def _embedding_timing(shapes: Shapes, device: Device) -> Timing:
     """Lookup on every vocab shard, then all-reduce (reduce-scatter with SP); all of backward is wgrad."""
     forward_bytes, backward_bytes = embedding_traffic_bytes(shapes)
     if shapes.sequence_parallel:
-        comm = _part("tp_comm", _tp_ms(Collective.reduce_scatter, shapes, device),
+        comm = part("tp_comm", _tp_ms(Collective.reduce_scatter, shapes, device),
                      _tp_ms(Collective.all_gather, shapes, device))
     else:
-        comm = _part("tp_comm", _tp_ms(Collective.all_reduce, shapes, device))
+        comm = part("tp_comm", _tp_ms(Collective.all_reduce, shapes, device))
     timing = _memory("memory_bound", forward_bytes, backward_bytes, (2, 2), device) + comm
-    return _Timing(timing.fwd_ms, timing.bwd_ms, timing.bwd_ms, timing.parts)
+    return Timing(timing.fwd_ms, timing.bwd_ms, timing.bwd_ms, timing.parts)
 
 
-def _output_timing(shapes: Shapes, device: _Device) -> _Timing:
+def _output_timing(shapes: Shapes, device: Device) -> Timing:
     """Final norm, output GEMM (bf16 under FP8 training too) and vocab-parallel cross-entropy."""
     forward_bytes, backward_bytes = output_traffic_bytes(shapes)
     timing = _memory("memory_bound", forward_bytes, backward_bytes, (6, 6), device)
     for gemm in output_gemms(shapes):
         timing = timing + _linear(gemm, shapes, device, dtype="fp32" if shapes.gemm_dtype == "fp32" else "bf16")
     loss = _CROSS_ENTROPY_ALL_REDUCES * _tp_ms(Collective.all_reduce, shapes, device, num_bytes=4 * shapes.tokens)
-    return timing + _part("tp_comm", loss)
+    return timing + part("tp_comm", loss)
 
 
-def _mtp_timing(shapes: Shapes, device: _Device, *, moe: bool = False) -> _Timing:
+def _mtp_timing(shapes: Shapes, device: Device, *, moe: bool = False) -> Timing:
     """eh_proj GEMM, one decoder layer (with its recompute), the shared head and loss, and the input lookup."""
     return (_linear(eh_proj_gemm(shapes), shapes, device) + _decoder_timing(shapes, device, moe=moe)
             + _output_timing(shapes, device) + _embedding_timing(shapes, device))
 
 
-def _unit(name: str, kind: LayerKind, timing: _Timing, *, params: float, act_bytes: float,
+def _unit(name: str, kind: LayerKind, timing: Timing, *, params: float, act_bytes: float,
           static_bytes: float, experts: float = 0.0) -> LayerCost:
     return LayerCost(
         name=name, kind=kind, fwd_ms=timing.fwd_ms, bwd_ms=timing.bwd_ms, wgrad_ms=timing.wgrad_ms,
@@ -318,13 +314,13 @@ def distinct_units(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, para
     """Each distinct unit of :func:`unit_runs`, costed once (named by its key)."""
     shapes = shapes_of(model=model, parallel=parallel, train=train)
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
-    device = _Device(
+    device = Device(
         gpu=gpu, runtime=cluster.runtime, tp_comm_overlap=parallel.tp_comm_overlap and shapes.sequence_parallel,
         link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=tp),
         cp_link=p2p_link(cluster=cluster, span=tp * cp), cluster=cluster,
     )
 
-    def unit(key: str, kind: LayerKind, timing: _Timing, params: float, act: float, experts: float = 0.0):
+    def unit(key: str, kind: LayerKind, timing: Timing, params: float, act: float, experts: float = 0.0):
         static = unit_static_bytes(kind=kind, params=params, shapes=shapes, parallel=parallel, train=train,
                                    expert_params=experts)
         return _unit(key, kind, timing, params=params, act_bytes=act, static_bytes=static, experts=experts)
@@ -406,6 +402,6 @@ def _meta(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelSpec, train:
     if model.is_moe:
         meta += [("expert_model_parallel_size", parallel.expert_model_parallel_size),
                  ("expert_tensor_parallel_size", parallel.expert_tp),
-                 ("moe_token_dispatcher_type", parallel.moe_token_dispatcher_type),
+                 ("moe_token_dispatcher_type", parallel.features.dispatcher),
                  ("moe_load_imbalance", train.moe_load_imbalance)]
     return tuple(meta)

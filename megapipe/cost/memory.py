@@ -49,6 +49,7 @@ __all__ = [
     "activation_bytes_per_layer",
     "p2p_bytes",
     "dispatcher_transient_bytes",
+    "recomputed",
 ]
 
 _INDEX_BYTES = 8
@@ -64,9 +65,19 @@ def _linear_input_bytes(shapes: Shapes) -> float:
     return 1.0 + (1.0 / 32 if shapes.fp8_recipe == "mxfp8" else 0.0)
 
 
+def recomputed(shapes: Shapes) -> frozenset[str]:
+    """The ``recompute_modules`` a selective recompute re-runs (none without it)."""
+    if shapes.recompute != Recompute.selective:
+        return frozenset()
+    return frozenset(shapes.features.recompute_modules)
+
+
 def _replicated_bytes(shapes: Shapes) -> float:
+    """Norm inputs, the linear layers' norm-written inputs (discarded and recomputed with ``layernorm`` in
+    recompute_modules: megatron-core's CheckpointWithoutOutput), dropout masks."""
     e, linear_in = shapes.element_bytes, _linear_input_bytes(shapes)
-    per_token = shapes.hidden_size * (2 * e + 2 * linear_in + (2 if shapes.dropout else 0))
+    norm_outputs = 0.0 if "layernorm" in recomputed(shapes) else 2 * linear_in
+    per_token = shapes.hidden_size * (2 * e + norm_outputs + (2 if shapes.dropout else 0))
     return shapes.norm_tokens * per_token
 
 
@@ -79,7 +90,9 @@ def _attention_bytes(shapes: Shapes) -> float:
         kv = v = q
     out = shapes.attention_out_size
     proj_input = e * out + (linear_in * out if shapes.gemm_dtype == "fp8" else 0.0)
-    sharded = shapes.tokens * (e * (q + kv + v) + proj_input) / shapes.tensor_model_parallel_size
+    # MLA's up-projected q, k, v are recomputed before the attention backward with mla_up_proj
+    qkv = 0.0 if shapes.mla and "mla_up_proj" in recomputed(shapes) else e * (q + kv + v)
+    sharded = shapes.tokens * (qkv + proj_input) / shapes.tensor_model_parallel_size
     if not shapes.mla:
         return sharded
     # MLA's gathered latents, each kept before and after its norm for the up-projection's backward.
@@ -94,12 +107,17 @@ def _mlp_bytes(shapes: Shapes, *, moe: bool) -> float:
     imbalance on the busiest rank."""
     e, t, linear_in = shapes.element_bytes, shapes.tensor_model_parallel_size, _linear_input_bytes(shapes)
     per_width = (2 if shapes.gated else 1) * e + linear_in
-    if not moe:
-        return shapes.tokens * per_width * shapes.ffn_hidden_size / t
+    modules = recomputed(shapes)
+    if not moe:  # recompute "mlp" keeps only the MLP's input (the norm output, counted with the norms)
+        return 0.0 if "mlp" in modules else shapes.tokens * per_width * shapes.ffn_hidden_size / t
+    if "moe" in modules:
+        return 0.0
     router = 2 * 4 * shapes.num_experts * shapes.norm_tokens
-    shared = shapes.tokens * per_width * shapes.shared_ffn_hidden_size / t
+    shared = 0.0 if "shared_experts" in modules else shapes.tokens * per_width * shapes.shared_ffn_hidden_size / t
+    # moe_act discards the activation's output (linear_fc2's input) and recomputes it from linear_fc1's output
+    routed_width = per_width - (linear_in if "moe_act" in modules else 0.0)
     routed = shapes.expert_tokens * (
-        per_width * shapes.expert_ffn_hidden_size / shapes.expert_tensor_parallel_size
+        routed_width * shapes.expert_ffn_hidden_size / shapes.expert_tensor_parallel_size
         + (linear_in + e) * shapes.hidden_size)
     return router + shared + routed * shapes.moe_load_imbalance
 
@@ -173,7 +191,7 @@ def dispatcher_transient_bytes(*, model: ModelSpec, parallel: ParallelSpec, trai
         return 0.0
     shapes = shapes_of(model=model, parallel=parallel, train=train)
     e, h = shapes.element_bytes, shapes.hidden_size
-    if parallel.moe_token_dispatcher_type == "allgather":
+    if parallel.features.moe_token_dispatcher_type == "allgather":
         group = parallel.expert_model_parallel_size * parallel.expert_tp
         return shapes.tokens * group / parallel.tensor_model_parallel_size * h * e
     return 2 * shapes.expert_tokens * h * e * shapes.moe_load_imbalance

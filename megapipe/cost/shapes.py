@@ -28,9 +28,17 @@ from dataclasses import dataclass
 
 from megapipe.cost.precision import element_bytes, gemm_dtype
 from megapipe.errors import ConfigError
-from megapipe.records import Activation, AttentionBackend, ModelSpec, ParallelSpec, Recompute, TrainSpec
+from megapipe.records import (
+    Activation,
+    AttentionBackend,
+    ModelSpec,
+    ParallelSpec,
+    Recompute,
+    RuntimeFeatures,
+    TrainSpec,
+)
 
-__all__ = ["Shapes", "shapes_of", "padded_vocab_size", "MAKE_VOCAB_SIZE_DIVISIBLE_BY"]
+__all__ = ["Shapes", "shapes_of", "padded_vocab_size", "forced_balance_imbalance", "MAKE_VOCAB_SIZE_DIVISIBLE_BY"]
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 """Megatron-LM's default ``--make-vocab-size-divisible-by``."""
@@ -86,10 +94,23 @@ class Shapes:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
     moe_load_imbalance: float = 1.0
-    allgather_dispatcher: bool = False
+    """The busiest expert-parallel rank's tokens over the mean: the stated routing assumption, or with forced
+    balancing the statistical spread of random routing (:func:`forced_balance_imbalance`)."""
+    features: RuntimeFeatures = RuntimeFeatures()
+    moe_router_num_groups: int = 0
+    moe_router_group_topk: int = 0
     biases: bool = False
     """Biases on every linear layer (the gelu family, or ``add_bias_linear``)."""
     qk_layernorm: bool = False
+
+    @property
+    def allgather_dispatcher(self) -> bool:
+        return self.features.moe_token_dispatcher_type == "allgather"
+
+    @property
+    def dispatcher(self) -> str:
+        """alltoall, allgather, deepep or hybridep."""
+        return self.features.dispatcher
 
     @property
     def local_experts(self) -> int:
@@ -146,8 +167,10 @@ def shapes_of(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> 
         expert_ffn_hidden_size=model.expert_ffn_hidden_size if model.is_moe else 0,
         shared_ffn_hidden_size=model.moe_shared_expert_intermediate_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tp, moe_load_imbalance=train.moe_load_imbalance,
-        allgather_dispatcher=parallel.moe_token_dispatcher_type == "allgather",
+        expert_tensor_parallel_size=parallel.expert_tp,
+        moe_load_imbalance=_imbalance(model, parallel, train),
+        features=parallel.features,
+        moe_router_num_groups=model.moe_router_num_groups or 0, moe_router_group_topk=model.moe_router_group_topk or 0,
         biases=(model.add_bias_linear if model.add_bias_linear is not None
                 else Activation(model.activation) == Activation.gelu),
         qk_layernorm=model.qk_layernorm,
@@ -173,6 +196,29 @@ def shapes_of(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> 
         unfused_attention=AttentionBackend(model.attention_backend) == AttentionBackend.unfused,
         recompute=Recompute(train.recompute_granularity),
     )
+
+
+def forced_balance_imbalance(*, assignments: float, ranks: int) -> float:
+    """The busiest of ``ranks`` ranks' share over the mean when ``assignments`` token-expert pairs per rank are
+    routed at random (``moe_router_force_load_balancing``: random logits): a rank's count is about Poisson
+    with mean ``assignments``, and the maximum of ``ranks`` such counts lies ``sqrt(2 ln ranks)`` standard
+    deviations above the mean (the Gaussian extreme-value bound)."""
+    if ranks <= 1 or assignments <= 0:
+        return 1.0
+    return 1.0 + math.sqrt(2.0 * math.log(ranks) / assignments)
+
+
+def _imbalance(model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> float:
+    """The busiest EP rank's load factor: random routing's spread under forced balancing, else the stated one
+    (never below the spread random routing already has)."""
+    if not model.is_moe:
+        return 1.0
+    tokens = train.seq_length // parallel.context_parallel_size * train.micro_batch_size
+    assignments = tokens * model.moe_router_topk * parallel.expert_tp / parallel.tensor_model_parallel_size
+    spread = forced_balance_imbalance(assignments=assignments, ranks=parallel.expert_model_parallel_size)
+    if parallel.features.moe_router_force_load_balancing:
+        return spread
+    return max(train.moe_load_imbalance, spread)
 
 
 def _validate(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> None:

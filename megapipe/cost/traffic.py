@@ -31,12 +31,14 @@ two norms, RoPE, two residual adds (bias-dropout-add), the activation: 6 / 12; F
 from __future__ import annotations
 
 from megapipe.cost.flops import decoder_gemms
+from megapipe.cost.moe import padding_rows
 from megapipe.cost.shapes import Shapes
 
 __all__ = [
     "decoder_traffic_bytes",
     "decoder_kernels",
     "fp8_cast_traffic_bytes",
+    "recompute_traffic_bytes",
     "fp8_cast_kernels",
     "attention_core_traffic_bytes",
     "embedding_traffic_bytes",
@@ -65,29 +67,39 @@ def decoder_traffic_bytes(shapes: Shapes, *, moe: bool = False) -> float:
 
 
 def _moe_traffic_bytes(shapes: Shapes, per_ffn: float) -> float:
-    """A MoE layer's memory-bound work (megatron-core ``moe_utils``, ``token_dispatcher.py``): the router's
-    fp32 score, top-k and aux-loss passes over ``tokens x E``; ``permute`` (read the hidden state, write
-    ``topk`` copies), the dispatcher's sort by local expert after the all-gather over ETP, ``unpermute``
-    (read ``topk`` weighted copies, write one); the activation over the shared and the routed experts'
-    widths (routed ones times the stated load imbalance)."""
-    e, h = shapes.element_bytes, shapes.hidden_size
-    local, m = shapes.norm_tokens, shapes.expert_tokens * shapes.moe_load_imbalance
-    router = 6 * 4 * shapes.num_experts * local
-    dispatch = 2 * e * h * local * (1 + shapes.topk)
-    sort = 2 * 2 * e * h * m if shapes.expert_model_parallel_size * shapes.expert_tensor_parallel_size > 1 else 0.0
+    """A MoE layer's activation traffic over the shared and the routed experts' widths (the routed ones on the
+    busiest rank, with FP8's padding rows); the router, permute and dispatch are :mod:`megapipe.cost.moe`'s."""
+    m = shapes.expert_tokens * shapes.moe_load_imbalance + padding_rows(shapes) * shapes.local_experts
     shared = per_ffn * shapes.tokens * shapes.shared_ffn_hidden_size / shapes.tensor_model_parallel_size
     routed = per_ffn * m * shapes.expert_ffn_hidden_size / shapes.expert_tensor_parallel_size
-    return router + dispatch + sort + shared + routed
+    return shared + routed
 
 
-_MOE_KERNELS = 14
-"""A MoE layer's extra memory-bound launches forward: router score, top-k, probabilities, aux loss (about
-six), the routing map and token counts, permute, sort, unpermute (about eight)."""
+def recompute_traffic_bytes(shapes: Shapes, module: str, *, moe: bool) -> float:
+    """Forward bytes of the memory-bound part a selective ``recompute_modules`` entry re-runs in the backward:
+    ``layernorm`` the two norms (and MLA's latent norms), ``moe_act`` the routed experts' activation, ``mlp`` /
+    ``shared_experts`` / ``moe`` their activations; 0 for modules without memory-bound work of their own."""
+    e, t = shapes.element_bytes, shapes.tensor_model_parallel_size
+    per_ffn = (3 if shapes.gated else 2) * e
+    if module == "layernorm":
+        latents = 2 * 2 * e * shapes.tokens * (shapes.q_lora_rank + shapes.kv_lora_rank) if shapes.qk_layernorm else 0.0
+        return 2 * 2 * e * shapes.norm_tokens * shapes.hidden_size + latents
+    if module == "mlp" and not moe:
+        return per_ffn * shapes.tokens * shapes.ffn_hidden_size / t
+    if module == "moe_act" and moe:
+        m = shapes.expert_tokens * shapes.moe_load_imbalance + padding_rows(shapes) * shapes.local_experts
+        return per_ffn * m * shapes.expert_ffn_hidden_size / shapes.expert_tensor_parallel_size
+    if module == "shared_experts" and moe:
+        return per_ffn * shapes.tokens * shapes.shared_ffn_hidden_size / t
+    if module == "moe" and moe:
+        return _moe_traffic_bytes(shapes, per_ffn)
+    return 0.0
 
 
 def decoder_kernels(shapes: Shapes, *, moe: bool = False) -> tuple[int, int]:
-    """Memory-bound kernel launches of a decoder layer, (forward, backward)."""
-    forward = 6 - (1 if shapes.learned_positions else 0) + (_MOE_KERNELS if moe else 0)
+    """Memory-bound kernel launches of a decoder layer, (forward, backward): norms, RoPE, residual adds, the
+    activation (a MoE layer's router and permute kernels are :mod:`megapipe.cost.moe`'s)."""
+    forward = 6 - (1 if shapes.learned_positions else 0) + (2 if moe and shapes.shared_ffn_hidden_size else 0)
     return forward, 2 * forward
 
 

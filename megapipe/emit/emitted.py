@@ -135,6 +135,28 @@ def _nemo1_warnings(stage_kinds: StageKinds, parallel: ParallelSpec) -> list[str
     return warnings
 
 
+def _feature_warnings(model: ModelSpec, parallel: ParallelSpec) -> list[str]:
+    """What the runtime features need beyond the arguments, and where a front end cannot carry them."""
+    features, warnings = parallel.features, []
+    if model.is_moe and features.moe_token_dispatcher_type == "flex":
+        warnings.append(f"the flex dispatcher with {features.moe_flex_dispatcher_backend} needs the deep_ep package "
+                        f"({'DeepEP' if features.moe_flex_dispatcher_backend == 'deepep' else 'its hybrid-ep build'}; "
+                        "NVIDIA's Megatron-Bridge and NeMo containers ship it)")
+    if features.delay_wgrad_compute:
+        warnings.append("delay_wgrad_compute needs Transformer Engine >= 2.8 with --overlap-grad-reduce (2.10 with "
+                        "CUDA graphs; Megatron-LM checks it at start-up)")
+    defaults = type(features)()
+    changed = [name for name in ("moe_token_dispatcher_type", "overlap_moe_expert_parallel_comm",
+                                 "moe_shared_expert_overlap", "moe_permute_fusion", "moe_router_fusion",
+                                 "cuda_graph_impl", "moe_router_force_load_balancing",
+                                 "moe_router_padding_for_quantization")
+               if getattr(features, name) != getattr(defaults, name) and (model.is_moe or name == "cuda_graph_impl")]
+    if changed:
+        warnings.append(f"NeMo 1 has no keys for the runtime features {', '.join(changed)}; its overrides leave them "
+                        "at Megatron's defaults, so it would run slower than planned")
+    return warnings
+
+
 def megatron_schedule_warnings(*, schedule: str, pipeline_model_parallel_size: int,
                                virtual_pipeline_model_parallel_size: int) -> tuple[str, ...]:
     """What Megatron runs instead of a schedule megatron-core lacks, and a V placement its layout cannot express."""
@@ -153,10 +175,11 @@ def megatron_schedule_warnings(*, schedule: str, pipeline_model_parallel_size: i
 
 
 def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec,
-         gpus: tuple[GpuSpec, ...], bridge_keys: BridgeKeys = BridgeKeys.flat) -> Emitted:
+         gpus: tuple[GpuSpec, ...], bridge_keys: BridgeKeys = BridgeKeys.flat, domain_gpus: int = 8) -> Emitted:
     """Write ``partition`` for every front end; ConfigError if Megatron could not run it as planned.
 
-    ``gpus``: the GPU type of each pipeline rank (what the environment the launch needs depends on).
+    ``gpus``: the GPU type of each pipeline rank (what the environment the launch needs depends on);
+    ``domain_gpus``: the GPUs of one NVLink domain (HybridEP's topology variables).
     """
     _check_sizes(partition, parallel)
     _check_model(partition, model)
@@ -184,7 +207,8 @@ def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, mode
     if Activation(model.activation) == Activation.squared_relu:
         warnings.append("squared ReLU is a function in Megatron-Bridge and NeMo configs: start from a Nemotron "
                         "recipe there (Megatron-LM gets --squared-relu)")
-    env = megatron_env(parallel=parallel, gpus=gpus)
+    warnings += _feature_warnings(model, parallel)
+    env = megatron_env(parallel=parallel, gpus=gpus, domain_gpus=domain_gpus)
     return Emitted(
         layout=layout,
         megatron_args=megatron_args(layout=layout, parallel=parallel, train=train, model=model),

@@ -30,7 +30,8 @@ capability < 10) unless ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`megatron_env`)
 from __future__ import annotations
 
 from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
-from megapipe.emit.moe import megatron_moe_args
+from megapipe.emit.moe import hybridep_env, megatron_moe_args
+from megapipe.features import device_max_connections
 from megapipe.emit.precision import megatron_precision_args
 from megapipe.emit.quoting import cli_number
 from megapipe.records import Activation, GpuSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
@@ -118,14 +119,26 @@ def megatron_args(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mode
     if parallel.overlap_param_gather and parallel.use_distributed_optimizer:
         args.append("--overlap-param-gather")
     args += _shape_args(model, train)
-    args += megatron_moe_args(model, parallel)
+    args += megatron_moe_args(model, parallel, train)
     args += megatron_precision_args(train, parallel)
     return tuple(args)
 
 
-def megatron_env(*, parallel: ParallelSpec, gpus: tuple[GpuSpec, ...]) -> dict[str, str]:
-    """Environment variables Megatron-LM's start-up checks need for this plan on these GPUs."""
-    if (parallel.tensor_model_parallel_size > 1 or parallel.context_parallel_size > 1) and any(
-            gpu.before_blackwell for gpu in gpus):
-        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    return {}
+def megatron_env(*, parallel: ParallelSpec, gpus: tuple[GpuSpec, ...], domain_gpus: int = 8) -> dict[str, str]:
+    """Environment variables Megatron-LM's start-up checks and the plan's runtime features need on these GPUs.
+
+    CUDA_DEVICE_MAX_CONNECTIONS: 1 where ``validate_args`` demands it (TP or CP > 1 before Blackwell), except
+    with EP overlap, which needs more than one (its all-to-alls run on a stream of their own; validate_args then
+    only warns); 32 for EP overlap or DeepEP/HybridEP otherwise (:func:`megapipe.features.device_max_connections`).
+    HybridEP's topology variables come from :func:`megapipe.emit.moe.hybridep_env`."""
+    env: dict[str, str] = {}
+    wanted = device_max_connections(parallel.features)
+    model_parallel = parallel.tensor_model_parallel_size > 1 or parallel.context_parallel_size > 1
+    if parallel.features.overlap_moe_expert_parallel_comm:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(wanted)
+    elif model_parallel and any(gpu.before_blackwell for gpu in gpus):
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    elif wanted:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(wanted)
+    env.update(hybridep_env(parallel, domain_gpus=domain_gpus))
+    return env

@@ -12,6 +12,20 @@ ArgumentGroupFactory), checked by ``scripts/check_megatron_args.py``.
 - With TP > 1 a MoE model trains only with ``--sequence-parallel`` (megatron-core ``MoELayer.forward``
   raises otherwise); the search keeps SP on for such plans.
 - MLA replaces query groups: ``--group-query-attention`` is never written with it.
+
+Runtime features (:class:`megapipe.records.RuntimeFeatures`; each flag and its requirements were run through
+Megatron-LM's own ``validate_args`` at core_v0.16.1, core_v0.19.0 and main, docs/emit.md):
+
+- the dispatcher and its flex backend; DeepEP gets ``--moe-router-dtype fp32`` (it takes fp32 probabilities and
+  otherwise casts them with a warning);
+- EP overlap and ``delay_wgrad_compute`` (Megatron-Bridge: under ``comm_overlap.*``, whose set-up overwrites the
+  model's copy), shared-expert overlap, the permute and router fusions, forced balancing, router padding;
+- CUDA graphs: ``--cuda-graph-impl`` with ``--cuda-graph-scope`` (the spelling of core_v0.16.1, which 0.18 and
+  later still parse as a deprecated alias of ``--cuda-graph-modules``) and ``--te-rng-tracker`` (Bridge: both
+  ``model.use_te_rng_tracker`` and ``rng.te_rng_tracker``); a full-iteration graph also turns off the NaN check
+  (``--no-check-for-nan-in-loss-and-grad``) and, with EP, sets ``--moe-pad-experts-for-cuda-graph-inference``
+  (required at core_v0.16.1);
+- ``--recompute-modules`` with selective recompute.
 """
 
 from __future__ import annotations
@@ -19,9 +33,10 @@ from __future__ import annotations
 from itertools import groupby
 
 from megapipe.emit.quoting import cli_number
-from megapipe.records import ModelSpec, ParallelSpec
+from megapipe.records import ModelSpec, ParallelSpec, Recompute, TrainSpec
 
-__all__ = ["moe_layer_freq_expr", "moe_config", "expert_parallel_config", "megatron_moe_args"]
+__all__ = ["moe_layer_freq_expr", "moe_config", "expert_parallel_config", "megatron_moe_args", "feature_config",
+           "overlap_config", "hybridep_env"]
 
 
 def moe_layer_freq_expr(pattern: tuple[int, ...]) -> str:
@@ -57,7 +72,7 @@ def moe_config(model: ModelSpec, parallel: ParallelSpec) -> dict[str, object]:
         num_moe_experts=model.num_moe_experts, moe_router_topk=model.moe_router_topk,
         moe_ffn_hidden_size=model.expert_ffn_hidden_size,
         moe_layer_freq=1 if all(model.moe_layers) else list(int(v) for v in model.moe_layers),
-        moe_token_dispatcher_type=parallel.moe_token_dispatcher_type, moe_grouped_gemm=True,
+        moe_grouped_gemm=True,
         moe_router_score_function=model.moe_router_score_function,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
@@ -84,16 +99,72 @@ _CLI_NAMES = {"num_moe_experts": "num_experts"}
 """TransformerConfig fields whose Megatron-LM flag is named otherwise."""
 
 
-def megatron_moe_args(model: ModelSpec, parallel: ParallelSpec) -> list[str]:
-    """Megatron-LM flags for :func:`moe_config` and the expert-parallel sizes."""
+def megatron_moe_args(model: ModelSpec, parallel: ParallelSpec, train: TrainSpec | None = None) -> list[str]:
+    """Megatron-LM flags for :func:`moe_config`, the expert-parallel sizes and the runtime features."""
     args: list[str] = []
-    for name, value in {**expert_parallel_config(model, parallel), **moe_config(model, parallel)}.items():
+    features = feature_config(model, parallel, train) if train is not None else {}
+    settings = {**expert_parallel_config(model, parallel), **moe_config(model, parallel), **features,
+                **overlap_config(parallel)}
+    for name, value in settings.items():
         flag = _flag(_CLI_NAMES.get(name, name))
-        if value is True:
+        if name == "use_te_rng_tracker":
+            args.append("--te-rng-tracker")
+        elif value is True:
             args.append(flag)
         elif name == "moe_layer_freq":
             args += [flag, moe_layer_freq_expr(tuple(int(v) for v in model.moe_layers))]
+        elif isinstance(value, list):
+            if value:
+                args += [flag, *[str(item) for item in value]]
         elif value is not None and value is not False:
             args += [flag, cli_number(value) if isinstance(value, (int, float)) else str(value)]
+    if "full_iteration" in parallel.features.cuda_graph_scope:
+        args.append("--no-check-for-nan-in-loss-and-grad")
     return args
 
+
+
+def feature_config(model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> dict[str, object]:
+    """TransformerConfig fields of the plan's runtime features; only what differs from Megatron's defaults,
+    the dispatcher always (for MoE models) and the recompute modules with selective recompute."""
+    features = parallel.features
+    settings: dict[str, object] = {}
+    if model.is_moe:
+        settings["moe_token_dispatcher_type"] = features.moe_token_dispatcher_type
+        if features.moe_token_dispatcher_type == "flex":
+            settings["moe_flex_dispatcher_backend"] = features.moe_flex_dispatcher_backend
+            if features.moe_flex_dispatcher_backend == "deepep":
+                settings["moe_router_dtype"] = "fp32"
+        for name in ("moe_shared_expert_overlap", "moe_permute_fusion", "moe_router_fusion",
+                     "moe_router_force_load_balancing", "moe_router_padding_for_quantization"):
+            if getattr(features, name):
+                settings[name] = True
+    if features.cuda_graphs:
+        full = "full_iteration" in features.cuda_graph_scope
+        settings["cuda_graph_impl"] = "local" if full else features.cuda_graph_impl
+        settings["cuda_graph_scope"] = list(features.cuda_graph_scope)
+        settings["use_te_rng_tracker"] = True
+        if full and model.is_moe and parallel.expert_model_parallel_size > 1:
+            settings["moe_pad_experts_for_cuda_graph_inference"] = True
+    if Recompute(train.recompute_granularity) == Recompute.selective:
+        settings["recompute_modules"] = list(features.recompute_modules)
+    return settings
+
+
+def overlap_config(parallel: ParallelSpec) -> dict[str, object]:
+    """EP overlap and delayed weight gradients (ModelParallelConfig fields; Bridge's ``comm_overlap.*``)."""
+    features = parallel.features
+    if not features.overlap_moe_expert_parallel_comm:
+        return {}
+    return {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": features.delay_wgrad_compute}
+
+
+def hybridep_env(parallel: ParallelSpec, *, domain_gpus: int) -> dict[str, str]:
+    """What the HybridEP library reads for its topology (Megatron-Bridge's performance tooling sets the same):
+    the NVLink domain's size, multi-node NVLink on GB200/GB300 NVL72, and the EP ranks per domain."""
+    features = parallel.features
+    if features.dispatcher != "hybridep":
+        return {}
+    domain = 72 if domain_gpus >= 72 else 8
+    return {"NVLINK_DOMAIN_SIZE": str(domain), "USE_MNNVL": "1" if domain_gpus > 8 else "0",
+            "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": str(min(parallel.expert_model_parallel_size, domain))}

@@ -28,7 +28,7 @@ import enum
 
 from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 from megapipe.emit.megatron import family_settings, recompute_settings
-from megapipe.emit.moe import expert_parallel_config, moe_config
+from megapipe.emit.moe import expert_parallel_config, feature_config, moe_config, overlap_config
 from megapipe.emit.precision import bridge_precision, nemo1_precision, nemo2_precision
 from megapipe.emit.quoting import format_override
 from megapipe.records import Activation, ModelSpec, ParallelSpec, TrainSpec
@@ -114,7 +114,10 @@ def bridge_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mo
         **_prefixed(transformer, _strategy_settings(layout=layout, parallel=parallel)),
         **_prefixed(transformer, recompute_settings(train.recompute_granularity)),
         **_prefixed(transformer, _transformer_shape(model)),
-        **_prefixed(transformer, {**expert_parallel_config(model, parallel), **moe_config(model, parallel)}),
+        **_prefixed(transformer, {**expert_parallel_config(model, parallel), **moe_config(model, parallel),
+                                  **feature_config(model, parallel, train)}),
+        **_prefixed("comm_overlap", overlap_config(parallel)),
+        **({"rng.te_rng_tracker": True} if parallel.features.cuda_graphs else {}),
         **_prefixed("model", _model_shape(model, train)),
         "train.micro_batch_size": train.micro_batch_size,
         "train.global_batch_size": train.global_batch_size,
@@ -138,7 +141,9 @@ def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mod
         "trainer.strategy.ddp.overlap_param_gather": parallel.use_distributed_optimizer and parallel.overlap_param_gather,
         **_prefixed("model.config", recompute_settings(train.recompute_granularity)),
         **_prefixed("model.config", _transformer_shape(model)),
-        **_prefixed("model.config", moe_config(model, parallel)),
+        **_prefixed("model.config", {**moe_config(model, parallel), **feature_config(model, parallel, train),
+                                     **overlap_config(parallel)}),
+        **({"trainer.strategy.use_te_rng_tracker": True} if parallel.features.cuda_graphs else {}),
         **_prefixed("model.config", _model_shape(model, train)),
         "data.micro_batch_size": train.micro_batch_size,
         "data.global_batch_size": train.global_batch_size,

@@ -6,7 +6,10 @@
   Megatron asserts that num_layers is divisible by pp (and the per-rank count by
   vp); where it is not, this baseline still returns a split for comparison, giving
   one extra decoder layer to each of the first ``num_layers % stages`` stages
-  (DeepSpeed's ``partition_uniform`` rule).
+  (DeepSpeed's ``partition_uniform`` rule). Where ``num_layers + 2`` divides and ``num_layers`` does not,
+  the embedding and the loss each count as one layer, as Megatron's
+  ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split`` count them
+  (126 layers on PP16 x VP8: ``E|t|...|t|L``).
 - ``parameters``: DeepSpeed ``PipelineModule(partition_method="parameters")``:
   ``ds_utils.partition_balanced`` over per-entry parameter counts. Since December
   2023 that function is a dynamic program that, for each prefix and
@@ -36,6 +39,9 @@ def uniform_counts(*, num_items: int, num_parts: int) -> tuple[int, ...]:
 def equal_bounds(kinds: Sequence[LayerKind], *, num_stages: int) -> tuple[int, ...]:
     """Stage boundaries (num_stages + 1) of Megatron's uniform decoder split over profile entries ``kinds``."""
     decoders = [index for index, kind in enumerate(kinds) if kind == LayerKind.decoder]
+    ends = [index for index, kind in enumerate(kinds) if kind in (LayerKind.embedding, LayerKind.loss)]
+    if len(decoders) % num_stages and len(ends) == 2 and (len(decoders) + 2) % num_stages == 0:
+        decoders = sorted(decoders + ends)  # Megatron's account_for_embedding/loss_in_pipeline_split
     if len(decoders) < num_stages:
         raise InfeasibleError(
             f"equal split: num_layers={len(decoders)} decoder layers cannot fill {num_stages} stages; "

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megapipe.records import ParallelSpec, Partition, TrainSpec
+from megapipe.records import ParallelSpec, Partition, RuntimeFeatures, TrainSpec
 
-__all__ = ["Reference", "SearchOptions", "Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult"]
+__all__ = ["Reference", "SearchOptions", "Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult",
+           "features_dict"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reference:
@@ -82,7 +83,7 @@ class Candidate:
             par.tp_comm_overlap,
             par.expert_model_parallel_size,
             par.expert_tensor_parallel_size,
-            par.moe_token_dispatcher_type,
+            par.features,
             train.moe_load_imbalance,
         )
 
@@ -197,7 +198,7 @@ class Plan:
                 **({"expert_model_parallel_size": par.expert_model_parallel_size,
                     "expert_tensor_parallel_size": par.expert_tp,
                     "expert_data_parallel_size": par.expert_data_parallel_size,
-                    "moe_token_dispatcher_type": par.moe_token_dispatcher_type}
+                    **features_dict(par.features)}
                    if moe else {}),
             },
             "train": {
@@ -287,6 +288,21 @@ class SearchResult:
     def best(self) -> Plan:
         """The plan to run (:attr:`chosen`)."""
         return self.chosen or self.plans[0]
+
+
+def features_dict(features: RuntimeFeatures) -> dict:
+    """The runtime features in Megatron's names, as plan.yaml records them."""
+    out = {"moe_token_dispatcher_type": features.moe_token_dispatcher_type}
+    if features.moe_token_dispatcher_type == "flex":
+        out["moe_flex_dispatcher_backend"] = features.moe_flex_dispatcher_backend
+    out.update(overlap_moe_expert_parallel_comm=features.overlap_moe_expert_parallel_comm,
+               delay_wgrad_compute=features.delay_wgrad_compute,
+               moe_shared_expert_overlap=features.moe_shared_expert_overlap,
+               moe_permute_fusion=features.moe_permute_fusion, moe_router_fusion=features.moe_router_fusion,
+               cuda_graph_impl=features.cuda_graph_impl, cuda_graph_scope=list(features.cuda_graph_scope),
+               moe_router_force_load_balancing=features.moe_router_force_load_balancing,
+               moe_router_padding_for_quantization=features.moe_router_padding_for_quantization)
+    return out
 
 
 def _round(value: float) -> float:

@@ -147,7 +147,7 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tupl
     classes = {name: item.bound_class for name, item in SPECS.items()}
     out = []
     for index, point in enumerate(space.points):
-        key = point[:4] + point[5:8] + point[11:13] + (classes[point.schedule], point.per_stage_recompute)  # all but VP
+        key = point[:4] + point[5:8] + point[11:14] + (classes[point.schedule], point.per_stage_recompute)  # all but VP
         step = steps.get(key, _UNSET)
         if step is _UNSET:
             cand = space.candidate(point)

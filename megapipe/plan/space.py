@@ -8,8 +8,9 @@ Pruning rules, each counted under its reason:
 - ``divisibility``: Megatron's shape rules. TP divides num_attention_heads and
   num_query_groups; TP divides gpus_per_node (TP all-reduces every layer, so it stays on
   NVLink unless allowed); 2*CP divides seq_length (Megatron's load-balanced ring attention
-  splits the sequence in 2*CP chunks); the layout has at least one decoder layer per
-  virtual stage (Megatron-LM #1852: empty stages deadlock).
+  splits the sequence in 2*CP chunks); every virtual stage holds at least one decoder layer,
+  but the first and last may hold only the embedding or only the loss
+  (:func:`megapipe.layout.max_stages`; Megatron-LM #1852: empty stages deadlock).
 - ``microbatches``: global_batch_size must be a multiple of micro_batch_size * DP; the
   interleaved schedule needs num_microbatches to be a multiple of PP (megatron-core 0.16
   ``forward_backward_pipelining_with_interleaving`` with the default
@@ -30,8 +31,18 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megapipe.errors import ConfigError
+from megapipe.layout import max_stages
 from megapipe.plan.plans import Candidate, SearchOptions
-from megapipe.records import SEARCH_DIMENSIONS, ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
+from megapipe.features import SEARCHED, feature_problem, feature_variants
+from megapipe.records import (
+    SEARCH_DIMENSIONS,
+    ClusterSpec,
+    ModelSpec,
+    ParallelSpec,
+    Recompute,
+    RuntimeFeatures,
+    TrainSpec,
+)
 from megapipe.schedules import MEGATRON_SCHEDULES, SCHEDULE_NAMES, ScheduleName, spec
 
 __all__ = ["DIMENSIONS", "Point", "Space", "divisors", "enumerate_candidates"]
@@ -59,6 +70,8 @@ class Point(NamedTuple):
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 0
     """0 for dense models (Megatron's default, TP)."""
+    features: RuntimeFeatures = RuntimeFeatures()
+    """The runtime features (dispatcher, overlap, CUDA graphs) of this point."""
 
 
 def divisors(number: int) -> tuple[int, ...]:
@@ -84,7 +97,7 @@ class Space:
 
     def candidate(self, point: Point) -> Candidate:
         """The record of one point."""
-        parallel_key, train_key = point[:5] + point[7:8] + point[11:13], point[5:7]
+        parallel_key, train_key = point[:5] + point[7:8] + point[11:14], point[5:7]
         parallel = self._records.get(parallel_key)
         if parallel is None:
             parallel = self._records[parallel_key] = ParallelSpec(
@@ -100,7 +113,7 @@ class Space:
                 overlap_param_gather=self.template.overlap_param_gather,
                 expert_model_parallel_size=point.expert_model_parallel_size,
                 expert_tensor_parallel_size=point.expert_tensor_parallel_size,
-                moe_token_dispatcher_type=self.template.moe_token_dispatcher_type,
+                features=point.features,
             )
         spec = self._records.get(train_key)
         if spec is None:
@@ -171,6 +184,7 @@ def enumerate_candidates(
     """
     fixed = dict(fixed or {})
     _check_fixed(fixed, options)
+    variants = feature_variants(template.features, model=model, free=frozenset(SEARCHED) - set(fixed))
     world = cluster.num_gpus
     pruned: Counter = Counter()
     out: list[Point] = []
@@ -183,23 +197,39 @@ def enumerate_candidates(
                 dp = world // (tp * cp * pp)
                 experts = _expert_values(model, tp=tp, cp=cp, dp=dp, fixed=fixed)
                 if not experts:
-                    enumerated += 1
-                    pruned["divisibility"] += 1
+                    enumerated += len(variants)
+                    pruned["divisibility"] += len(variants)
                     continue
                 for point in _inner(model=model, train=train, fixed=fixed, options=options, tp=tp, cp=cp, pp=pp,
                                     dp=dp, shape_ok=shape_ok, group=microbatch_group_size_per_vp_stage):
                     if isinstance(point, str):  # the reason it was pruned
-                        enumerated += len(experts)
-                        pruned[point] += len(experts)
+                        enumerated += len(experts) * len(variants)
+                        pruned[point] += len(experts) * len(variants)
                         continue
                     for ep, etp in experts:
-                        enumerated += 1
-                        out.append(point._replace(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp))
+                        for features in variants:
+                            enumerated += 1
+                            if len(variants) > 1 and _feature_pruned(features, model, point, ep, train):
+                                pruned["features"] += 1
+                                continue
+                            out.append(point._replace(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                                      features=features))
     if not enumerated:
         raise ConfigError(_no_fit_message(world, fixed))
     return Space(points=tuple(out), pruned=pruned, enumerated=enumerated, train=train,
                  use_distributed_optimizer=use_distributed_optimizer,
                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, template=template)
+
+
+def _feature_pruned(features: RuntimeFeatures, model: ModelSpec, point: Point, ep: int, train: TrainSpec) -> bool:
+    """Whether megatron-core refuses a searched feature set at this point's sizes (EP overlap at PP > 1 without
+    interleaving or with EP 1, CUDA graphs with full recompute, ...)."""
+    parallel = ParallelSpec(pipeline_model_parallel_size=point.pipeline_model_parallel_size,
+                            virtual_pipeline_model_parallel_size=point.virtual_pipeline_model_parallel_size,
+                            expert_model_parallel_size=ep)
+    spec = TrainSpec(recompute_granularity=point.recompute_granularity, precision=train.precision,
+                     fp8_recipe=train.fp8_recipe)
+    return feature_problem(features, model=model, parallel=parallel, train=spec) is not None
 
 
 def _expert_values(model: ModelSpec, *, tp: int, cp: int, dp: int, fixed: Mapping) -> tuple[tuple[int, int], ...]:
@@ -264,9 +294,10 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok, group) -> 
                                  max_virtual=options.max_virtual_pipeline_model_parallel_size)
         if "virtual_pipeline_model_parallel_size" in fixed:
             vp = int(fixed["virtual_pipeline_model_parallel_size"])
-            vps = (vp,) if vp in vps or "schedule" in fixed else ()
+            admitted = item.admits_virtual(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
+            vps = (vp,) if admitted or "schedule" in fixed else ()
         for vp in vps:
-            divisible = shape_ok and pp * vp <= model.num_layers
+            divisible = shape_ok and pp * vp <= max_stages(model.num_layers)
             for mbs in mbs_values:
                 mbs = int(mbs)
                 if train.global_batch_size % (mbs * dp):

@@ -150,6 +150,12 @@ class ScheduleSpec:
             return (self.fixed_chunks,)
         return tuple(range(2, max_virtual + 1)) if pipeline_model_parallel_size > 1 else ()
 
+    def admits_virtual(self, *, pipeline_model_parallel_size: int, virtual_pipeline_model_parallel_size: int) -> bool:
+        """Whether this schedule runs with that many chunks per rank (a user's fixed VP, of any size)."""
+        if self.fixed_chunks is not None:
+            return virtual_pipeline_model_parallel_size == self.fixed_chunks
+        return pipeline_model_parallel_size > 1 and virtual_pipeline_model_parallel_size >= 2
+
     def searchable(self, *, pipeline_model_parallel_size: int, num_microbatches: int,
                    virtual_pipeline_model_parallel_size: int, microbatch_group_size_per_vp_stage: int | None) -> bool:
         """Whether the search keeps these sizes: the builder accepts them and the steady state is reached."""

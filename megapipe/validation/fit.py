@@ -6,7 +6,10 @@ efficiencies, and the framework's time per microbatch and per step. :func:`fit_r
 fields that minimise the squared log error of step time over the runs (log, so a 1 s and a 100 s
 step weigh alike) by Levenberg-Marquardt (:mod:`megapipe.least_squares`) in log coordinates, so
 scales and overheads stay positive. :func:`leave_one_out` refits without each run in turn and
-predicts it: the error a run outside the set can expect. Pure: records in, records out.
+predicts it. :func:`leave_one_source_out` refits without every run of one source (a table, paper or
+write-up) and predicts those runs: what a new source can expect, since runs of one source share their
+software, cluster and way of measuring, so a run left out while the rest of its source stays in says
+little about a source the fit has never seen. Pure: records in, records out.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from megapipe.plan.plans import Plan
 from megapipe.records import ClusterSpec, RuntimeSpec
 from megapipe.validation.predict import Resolved, predict, run_cluster
 
-__all__ = ["FIT_FIELDS", "DEFAULT_FIT", "with_values", "RunSet", "Fitted", "fit_runtime", "leave_one_out"]
+__all__ = ["FIT_FIELDS", "DEFAULT_FIT", "with_values", "RunSet", "Fitted", "fit_runtime", "leave_one_out",
+           "leave_one_source_out", "source_of"]
 
 _TABLES = {"gemm_efficiency_scale": "gemm_efficiency_by_architecture",
            "attention_efficiency_scale": "attention_efficiency_by_architecture"}
@@ -183,3 +187,53 @@ def _fold_prediction(runs: RunSet, fold: _Fold) -> float:
     fold_start = _from_free(fold.start, fold.fields, fold.theta + shift)
     fitted = fit_runtime(runs, start=fold_start, fields=fold.fields, indices=rest, max_iter=fold.max_iter).runtime
     return runs.plan(fold.index, fitted).step_time_s
+
+
+def source_of(resolved: Resolved) -> str:
+    """The source a run comes from: its ``set`` (one table, paper or write-up), or its id when it has none."""
+    return resolved.run.set or resolved.run.id
+
+
+def leave_one_source_out(runs: RunSet, *, start: RuntimeSpec, fields: Sequence[str] = DEFAULT_FIT,
+                         neutral: RuntimeSpec = RuntimeSpec(), max_iter: int = 8, mapper: Callable = map,
+                         indices: Sequence[int] | None = None) -> tuple[float, ...]:
+    """Each run's predicted step time (s) with the runtime refitted without every run of its source.
+
+    ``indices``: the runs the fit uses (all by default). Each fold fits the others from ``start`` (the fit on
+    every run: a starting point, which the fold's own optimum replaces); a field the fold's runs cannot
+    determine takes its ``neutral`` value (the microbenchmarks' 1.0, no overhead), never the value the
+    left-out source helped fix.
+    """
+    everyone = tuple(range(len(runs)) if indices is None else indices)
+    sources = [source_of(item) for item in runs.resolved]
+    folds = [_SourceFold(source=source, rows=tuple(i for i in everyone if sources[i] != source),
+                         targets=tuple(i for i, s in enumerate(sources) if s == source), start=start,
+                         neutral=neutral, fields=tuple(fields), max_iter=max_iter)
+             for source in sorted(set(sources))]
+    predicted: dict[int, float] = {}
+    for fold, times in zip(folds, mapper(functools.partial(_source_fold_prediction, runs), folds)):
+        predicted.update(zip(fold.targets, times))
+    return tuple(predicted[index] for index in range(len(runs)))
+
+
+@dataclass(frozen=True, slots=True)
+class _SourceFold:
+    source: str
+    rows: tuple[int, ...]
+    """The runs fitted: every fitted run of the other sources."""
+    targets: tuple[int, ...]
+    """The source's runs, fitted or not."""
+    start: RuntimeSpec
+    neutral: RuntimeSpec
+    fields: tuple[str, ...]
+    max_iter: int
+
+
+def _source_fold_prediction(runs: RunSet, fold: _SourceFold) -> tuple[float, ...]:
+    if len(fold.rows) < len(fold.fields):
+        fitted = fold.neutral
+    else:
+        result = fit_runtime(runs, start=fold.start, fields=fold.fields, indices=fold.rows, max_iter=fold.max_iter)
+        unfixed = {name: _value(fold.neutral, name) for name in fold.fields if name not in result.identified}
+        fitted = with_values(result.runtime, unfixed) if unfixed else result.runtime
+    return tuple(runs.plan(index, fitted).step_time_s for index in fold.targets)

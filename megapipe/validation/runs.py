@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from megapipe.config.validate import check_model, positive_int
 from megapipe.cost.precision import FP8_RECIPES, PRECISIONS
 from megapipe.errors import ConfigError
-from megapipe.records import Activation, ModelSpec, ParallelSpec, Recompute, TrainSpec
+from megapipe.records import Activation, ModelSpec, ParallelSpec, Recompute, RuntimeFeatures, TrainSpec
 
 __all__ = ["PublishedRun", "RUNS_FORMAT", "UNKNOWABLE", "runs_from_document"]
 
@@ -109,6 +109,35 @@ def _model(node: Mapping, where: str) -> ModelSpec:
     return model
 
 
+_FEATURE_KEYS = {
+    "moe_token_dispatcher_type": str, "moe_flex_dispatcher_backend": str, "overlap_moe_expert_parallel_comm": bool,
+    "delay_wgrad_compute": bool, "moe_shared_expert_overlap": bool, "moe_permute_fusion": bool,
+    "moe_router_fusion": bool, "cuda_graph_impl": str, "cuda_graph_scope": tuple, "recompute_modules": tuple,
+    "moe_router_force_load_balancing": bool, "moe_router_padding_for_quantization": bool,
+}
+"""Runtime features a run may state, in megatron-core's names, under ``parallel``, ``train`` or ``features``."""
+
+
+def _features(parallel: Mapping, train: Mapping, where: str, extra: Mapping | None = None) -> RuntimeFeatures:
+    """The features the run states (Megatron's defaults for the rest)."""
+    values = {}
+    for block in (parallel, train, extra or {}):
+        for key, kind in _FEATURE_KEYS.items():
+            value = block.get(key)
+            if value is None:
+                continue
+            if kind is tuple:
+                value = (value,) if isinstance(value, str) else tuple(str(item) for item in value)
+            elif kind is bool and not isinstance(value, bool):
+                raise ConfigError(f"{where}: {key}={value!r} must be true or false")
+            values[key] = kind(value) if kind is not tuple else value
+    if values.get("cuda_graph_scope") and "cuda_graph_impl" not in values:
+        values["cuda_graph_impl"] = "transformer_engine"
+    if "delay_wgrad_compute" not in values and values.get("overlap_moe_expert_parallel_comm"):
+        values["delay_wgrad_compute"] = False
+    return RuntimeFeatures(**values)
+
+
 def _run(node: Mapping, index: int) -> PublishedRun:
     where = f"runs[{index}] ({node.get('id', '?')})"
     parallel, train, measured = (_get(node, key, where) for key in ("parallel", "train", "measured"))
@@ -146,7 +175,7 @@ def _run(node: Mapping, index: int) -> PublishedRun:
         overlap_param_gather=bool(parallel.get("overlap_param_gather", True)),
         expert_model_parallel_size=int(parallel.get("expert_model_parallel_size") or 1),
         expert_tensor_parallel_size=int(parallel.get("expert_tensor_parallel_size") or 0),
-        moe_token_dispatcher_type=str(parallel.get("moe_token_dispatcher_type") or "alltoall"),
+        features=_features(parallel, train, where),
     )
     mbs = train.get("micro_batch_size")
     recompute = train.get("recompute_granularity")

@@ -1,0 +1,48 @@
+"""One unit's time, forward and backward, split into its parts (:data:`megapipe.records.TIME_PARTS`), and the
+device a unit is costed on. Shared by the dense (:mod:`megapipe.cost.layers`) and the MoE
+(:mod:`megapipe.cost.moe`) parts of the cost model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapipe.records import TIME_PARTS, ClusterSpec, GpuSpec, LinkSpec, RuntimeSpec
+
+__all__ = ["Timing", "part", "Device", "PART_INDEX"]
+
+PART_INDEX = {name: index for index, name in enumerate(TIME_PARTS)}
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Forward, backward and weight-gradient milliseconds, and the same split by part."""
+
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+    wgrad_ms: float = 0.0
+    parts: tuple[float, ...] = (0.0,) * len(TIME_PARTS)
+
+    def __add__(self, other: "Timing") -> "Timing":
+        return Timing(self.fwd_ms + other.fwd_ms, self.bwd_ms + other.bwd_ms, self.wgrad_ms + other.wgrad_ms,
+                      tuple(a + b for a, b in zip(self.parts, other.parts)))
+
+    def share(self, name: str) -> float:
+        """Forward + backward milliseconds of one part."""
+        return self.parts[PART_INDEX[name]]
+
+
+def part(name: str, fwd_ms: float, bwd_ms: float = 0.0, wgrad_ms: float = 0.0) -> Timing:
+    parts = [0.0] * len(TIME_PARTS)
+    parts[PART_INDEX[name]] = fwd_ms + bwd_ms
+    return Timing(fwd_ms, bwd_ms, wgrad_ms, tuple(parts))
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    gpu: GpuSpec
+    link: LinkSpec
+    """The tensor-parallel group's link."""
+    cp_link: LinkSpec
+    runtime: RuntimeSpec
+    tp_comm_overlap: bool
+    cluster: ClusterSpec
