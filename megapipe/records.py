@@ -271,11 +271,21 @@ class RuntimeSpec:
     :mod:`megapipe.cost.host`. 4-6 us is a bare cudaLaunchKernel's."""
     host_sync_us: float = 20.0
     """GPU idle per device-to-host sync: the copy's round trip, the host waking and the next launch."""
+    step_time_intervals: tuple[tuple[str, float, float], ...] = ()
+    """(kind, low, high): for plans of a kind ("moe/hopper/bf16", "dense/*/*", ...), the measured step over the
+    predicted one minus 1 lies in [low, high] for the central 80% of held-out published runs
+    (:mod:`megapipe.plan.interval`; written by ``megapipe validate``)."""
+    moe_dropless_imbalance: float = 1.0
+    """The busiest expert-parallel rank's tokens over the mean under dropless aux-loss routing, when a plan does not
+    state its own (train.moe_load_imbalance) and does not force balance: fitted on published runs that ran both
+    ways (docs/cost_model.md)."""
 
     def __post_init__(self) -> None:
         for name in ("gemm_efficiency_by_architecture", "attention_efficiency_by_architecture"):
             pairs = dict(getattr(self, name))
             object.__setattr__(self, name, tuple(sorted((str(k), float(v)) for k, v in pairs.items())))
+        object.__setattr__(self, "step_time_intervals", tuple(sorted(
+            (str(key), float(low), float(high)) for key, low, high in self.step_time_intervals)))
 
     def gemm_scale(self, architecture: str) -> float:
         return dict(self.gemm_efficiency_by_architecture).get(architecture, self.gemm_efficiency_scale)
@@ -433,9 +443,10 @@ class TrainSpec:
     """With fp8: delayed, tensorwise, mxfp8 or blockwise (Megatron's ``--fp8-recipe``); empty otherwise."""
     fp8_param_gather: bool = False
     """With fp8: keep the GEMM weights in FP8 and all-gather them so (``--fp8-param-gather``)."""
-    moe_load_imbalance: float = 1.0
-    """The stated routing assumption: the busiest expert-parallel rank receives this many times the mean
-    tokens (1.0 = balanced, as aux-loss-free or forced balancing aims for)."""
+    moe_load_imbalance: float | None = None
+    """The routing assumption: the busiest expert-parallel rank receives this many times the mean tokens
+    (1.0 = balanced). None means dropless aux-loss routing's typical imbalance, the runtime's
+    ``moe_dropless_imbalance`` (the config boundary fills it in); forced balancing (RuntimeFeatures) overrides it."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         """Megatron's count: global_batch_size / (micro_batch_size * data_parallel_size)."""

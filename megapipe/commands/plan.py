@@ -20,6 +20,7 @@ from megapipe.emit import BridgeKeys, emit, launch_line, launch_script, node_ran
 from megapipe.io import write_plan_dir
 from megapipe.placement import gpus_by_name, node_gpus, node_ranges
 from megapipe.plan.document import json_summary, plan_document
+from megapipe.plan.interval import format_interval
 from megapipe.plan.plans import SearchResult
 from megapipe.plan.search import search
 from megapipe.records import Profile
@@ -140,9 +141,43 @@ def _row(label: str, plan, *, moe: bool = False) -> list[str]:
     peak = max(stage.total_bytes for stage in plan.stages) / GIB
     recompute = "/".join(plan.stage_recompute) if plan.stage_recompute else train.recompute_granularity.value
     schedule = f"{plan.schedule} (what-if)" if plan.what_if else str(plan.schedule)
-    return [label, shape, schedule, str(train.micro_batch_size), recompute, f"{plan.tokens_per_s_per_gpu:,.0f}",
-            f"{plan.mfu:.1%}", f"{plan.bubble_fraction:.1%}", f"{peak:.1f}" + ("" if plan.feasible else "!"),
-            f"${plan.cost_per_million_tokens:.3f}"]
+    row = [label, shape, schedule, str(train.micro_batch_size), recompute]
+    if moe:
+        row.append(runtime_label(par.features))
+    return row + [format_interval(plan.step_time_s, plan.step_time_interval), f"{plan.tokens_per_s_per_gpu:,.0f}",
+                  f"{plan.mfu:.1%}", f"{plan.bubble_fraction:.1%}", f"{peak:.1f}" + ("" if plan.feasible else "!"),
+                  f"${plan.cost_per_million_tokens:.3f}"]
+
+
+def runtime_label(features) -> str:
+    """A MoE plan's runtime in a few letters: dispatcher, +ovl (EP overlap), +cg (CUDA graphs)."""
+    short = {"alltoall": "a2a", "allgather": "ag", "deepep": "deepep", "hybridep": "hybridep"}[features.dispatcher]
+    return (short + ("+ovl" if features.overlap_moe_expert_parallel_comm else "")
+            + ("+cg" if features.cuda_graphs else ""))
+
+
+def moe_assumptions(plan, setup: Setup) -> str:
+    """What a MoE plan assumes about routing and its runtime, and what megapipe does not model, in two lines."""
+    features, train, runtime = plan.parallel.features, plan.train, setup.cluster.runtime
+    dispatcher = {"alltoall": "alltoall (NCCL all-to-all)", "allgather": "allgather",
+                  "deepep": "flex/DeepEP (one copy per node)", "hybridep": "flex/HybridEP (one copy per node)"}
+    graphs = (f"{features.cuda_graph_impl} graphs of {' '.join(features.cuda_graph_scope) or 'whole layers'}"
+              if features.cuda_graphs else "no CUDA graphs")
+    if features.moe_router_force_load_balancing:
+        routing = "forced balance (benchmarking: the router's choice is ignored)"
+    elif train.moe_load_imbalance != runtime.moe_dropless_imbalance:
+        routing = f"busiest EP rank {train.moe_load_imbalance:.2f}x the mean tokens (train.moe_load_imbalance)"
+    else:
+        routing = (f"dropless aux-loss routing, busiest EP rank {train.moe_load_imbalance:.2f}x the mean tokens "
+                   "(runtime.moe_dropless_imbalance, fitted on published forced-vs-dropless runs; set "
+                   "train.moe_load_imbalance)")
+    overlap = ("EP all-to-all overlapped with the other microbatch" + (" and delayed weight gradients"
+               if features.delay_wgrad_compute else "")) if features.overlap_moe_expert_parallel_comm else "no EP overlap"
+    fused = [name for name, on in (("permute", features.moe_permute_fusion), ("router", features.moe_router_fusion)) if on]
+    return (f"MoE runtime: dispatcher {dispatcher[features.dispatcher]}, {overlap}, {graphs}, "
+            f"{' and '.join(fused) + ' fusion' if fused else 'no fusions'}; routing: {routing}.\n"
+            "not modelled: token dropping and capacity factors, FP8 dispatch, the memory of CUDA-graph pools and of "
+            "DeepEP/HybridEP buffers, per-expert load skew inside a rank")
 
 
 def compare_line(best, reference, source) -> str:
@@ -188,8 +223,10 @@ def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: 
     table = Table(title=title, title_justify="left")
     moe = model.is_moe
     row = lambda label, plan: _row(label, plan, moe=moe)  # noqa: E731
-    for name in ("", "TP/PP/DP/CP/VP" + (" EP ETP" if moe else ""), "schedule", "mbs", "recompute", "tok/s/GPU", "MFU", "bubble", "peak GiB",
-                 "$/1M tok"):
+    columns = ["", "TP/PP/DP/CP/VP" + (" EP ETP" if moe else ""), "schedule", "mbs", "recompute"]
+    columns += (["MoE runtime"] if moe else []) + ["step (80% range)", "tok/s/GPU", "MFU", "bubble", "peak GiB",
+                                                    "$/1M tok"]
+    for name in columns:
         table.add_column(name, overflow="fold")
     best = result.best
     for index, plan in enumerate(result.plans, start=1):
@@ -211,6 +248,8 @@ def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: 
     out.print(f"layout: {best.layout}", markup=False)
     if best.breakdown:
         out.print(f"step {best.step_time_s:.2f} s: {breakdown_line(best)}", markup=False, soft_wrap=True)
+    if moe:
+        out.print(moe_assumptions(best, setup), markup=False, soft_wrap=True)
     for warning in best.warnings:
         out.print(f"warning: {warning}", markup=False)
     if nodes:

@@ -27,15 +27,30 @@ from megapipe.records import ClusterSpec, RuntimeSpec
 from megapipe.validation.fit import (
     DEFAULT_FIT,
     FIT_FIELDS,
+    MOE_FIT,
     RunSet,
-    fit_indices,
-    fit_runtime,
-    leave_one_out,
+    fit_stages,
     leave_one_source_out,
+    staged_leave_one_out,
+    stages_of,
 )
-from megapipe.validation.ranking import RankingGroup, ranking_groups, ranking_markdown
+from megapipe.validation.ranking import (
+    RankingGroup,
+    ablation_markdown,
+    ablation_steps,
+    ranking_groups,
+    ranking_markdown,
+)
 from megapipe.validation.predict import resolve
-from megapipe.validation.report import Row, markdown_table, row_dict, runtime_summary, runtime_yaml, summarise
+from megapipe.validation.report import (
+    Row,
+    loso_intervals,
+    markdown_table,
+    row_dict,
+    runtime_summary,
+    runtime_yaml,
+    summarise,
+)
 from megapipe.validation.runs import PublishedRun
 
 __all__ = ["prepare", "run", "DOCS_BEGIN", "DOCS_END"]
@@ -51,6 +66,9 @@ class ValidateJob:
     clusters: tuple[ClusterSpec, ...]
     """Each run's cluster option as composed (its size is set per run)."""
     fields: tuple[str, ...]
+    """Fitted on the dense runs."""
+    moe_fields: tuple[str, ...]
+    """Fitted on the MoE runs, the dense runs' fields held."""
     leave_one_out: bool
     leave_one_source_out: bool
     docs: str | None
@@ -89,14 +107,15 @@ def prepare(cfg: DictConfig) -> ValidateJob:
             raise ConfigError(f"validate.ids names {missing}, which {source} lacks; use ids from that file")
         runs = tuple(run for run in runs if run.id in set(ids))
     fields = tuple(options.get("fit") or DEFAULT_FIT)
-    unknown = [name for name in fields if name not in FIT_FIELDS]
+    moe_fields = tuple(MOE_FIT if options.get("fit_moe") is None else options.get("fit_moe"))
+    unknown = [name for name in fields + moe_fields if name not in FIT_FIELDS]
     if unknown:
         raise ConfigError(f"validate.fit names {unknown}; fit a subset of {list(FIT_FIELDS)}")
     if len(runs) < len(fields) + (1 if options.get("leave_one_out", True) else 0):
         raise ConfigError(f"{len(runs)} runs cannot fit {len(fields)} runtime fields (and leave one out); "
                           "give more runs or fewer validate.fit fields")
     docs = options.get("docs")
-    return ValidateJob(setup=setup, runs=runs, clusters=_base_clusters(runs, cfg), fields=fields,
+    return ValidateJob(setup=setup, runs=runs, clusters=_base_clusters(runs, cfg), fields=fields, moe_fields=moe_fields,
                        leave_one_out=bool(options.get("leave_one_out", True)),
                        leave_one_source_out=bool(options.get("leave_one_source_out", True)),
                        docs=str(docs) if docs else None,
@@ -129,11 +148,11 @@ def _rows(job: ValidateJob) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
         resolved = list(mapper(_resolve, list(zip(job.runs, job.clusters))))
         runs = RunSet(resolved, job.clusters)
         in_use = job.setup.cluster.runtime
-        fitting = fit_indices(resolved)
-        fitted = fit_runtime(runs, start=in_use, fields=job.fields, indices=fitting).runtime
-        loo = leave_one_out(runs, start=fitted, fields=job.fields, mapper=mapper, indices=fitting) \
+        stages = stages_of(resolved, dense=job.fields, moe=job.moe_fields)
+        fitted = fit_stages(runs, start=in_use, stages=stages)
+        loo = staged_leave_one_out(runs, start=fitted, stages=stages, mapper=mapper) \
             if job.leave_one_out else (None,) * len(runs)
-        loso = leave_one_source_out(runs, start=fitted, fields=job.fields, mapper=mapper, indices=fitting,
+        loso = leave_one_source_out(runs, start=fitted, stages=stages, mapper=mapper,
                                     neutral=RuntimeSpec(name=in_use.name)) \
             if job.leave_one_source_out else (None,) * len(runs)
     finally:
@@ -160,11 +179,19 @@ def run(job: ValidateJob, *, directory: str) -> None:
     command = "megapipe validate" + ("" if job.source == PUBLIC_RUNS else f" {os.path.basename(job.source)}")
     ranked = ranking_groups(rows)
     ranked_loso = ranking_groups(rows, predicted=lambda row: row.loso_s) if job.leave_one_source_out else ()
+    steps = ablation_steps(rows, predicted=(lambda row: row.loso_s) if job.leave_one_source_out else
+                           (lambda row: row.predicted_s))
     table = (markdown_table(rows, summaries, runtime=in_use, command=command)
              + "\nRanking checks (runs of one model on one GPU count within one source, ordered by measured "
-             "throughput):\n\n" + ranking_markdown(ranked, loso=ranked_loso))
+             "throughput):\n\n" + ranking_markdown(ranked, loso=ranked_loso)
+             + "\nAblation steps (each run against the previous one of its published sequence"
+             + (", leave-one-source-out" if job.leave_one_source_out else "") + "):\n\n" + ablation_markdown(steps))
+    if job.leave_one_source_out:
+        architectures = {run.cluster: base.gpu.architecture for run, base in zip(job.runs, job.clusters)}
+        fitted = dataclasses.replace(fitted, step_time_intervals=loso_intervals(rows, architectures))
     runtime_text = runtime_yaml(fitted, comment=(
-        f"{fitted.name}: fitted by `{command}` on {len(rows)} runs ({', '.join(job.fields)}).\n"
+        f"{fitted.name}: fitted by `{command}` on {len(rows)} runs ({', '.join(job.fields)} on the dense runs; "
+        f"{', '.join(job.moe_fields)} on the MoE runs).\n"
         "Copy to hydra_conf/runtime/ to plan with it."))
     atomic_write_text(os.path.join(directory, "validation.md"), table)
     atomic_write_text(os.path.join(directory, "runtime.yaml"), runtime_text)

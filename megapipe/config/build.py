@@ -208,6 +208,11 @@ def _runtime_spec(node: DictConfig | None) -> RuntimeSpec:
     if node is None:
         return RuntimeSpec()
     values = OmegaConf.to_container(node, resolve=True)
+    intervals = values.pop("step_time_intervals", None) or {}
+    bad = [key for key, pair in intervals.items() if not (isinstance(pair, list) and len(pair) == 2
+                                                         and all(isinstance(v, (int, float)) for v in pair))]
+    if bad:
+        raise ConfigError(f"runtime.step_time_intervals{bad} must each be [low, high]; rerun megapipe validate")
     tables = {name: values.pop(name, None) or {} for name in ("gemm_efficiency_by_architecture",
                                                               "attention_efficiency_by_architecture")}
     scales = {f"{name}.{k}": v for name, table in tables.items() for k, v in table.items()}
@@ -218,7 +223,8 @@ def _runtime_spec(node: DictConfig | None) -> RuntimeSpec:
             "gemm_efficiency_scale", "attention_efficiency_scale", "comm_efficiency_scale")}}.items():
         if value <= 0:
             raise ConfigError(f"runtime.{key}={value!r} must be > 0 (1 = the microbenchmarks' efficiency)")
-    return RuntimeSpec(**values, **{name: tuple(table.items()) for name, table in tables.items()})
+    return RuntimeSpec(**values, **{name: tuple(table.items()) for name, table in tables.items()},
+                       step_time_intervals=tuple((key, pair[0], pair[1]) for key, pair in intervals.items()))
 
 
 def _cluster_spec(node: DictConfig, runtime: RuntimeSpec = RuntimeSpec()) -> ClusterSpec:
@@ -273,7 +279,10 @@ def _fp8_fields(cfg: DictConfig, precision: str, cluster: ClusterSpec, parallel:
     return {"fp8_recipe": "" if recipe is None else str(recipe), "fp8_param_gather": bool(gather)}
 
 
-def _imbalance(value) -> float:
+def _imbalance(value, runtime: RuntimeSpec) -> float:
+    """The stated routing assumption, or the runtime's dropless default when null."""
+    if value is None:
+        return runtime.moe_dropless_imbalance
     if not (isinstance(value, (int, float)) and math.isfinite(value) and 1.0 <= value <= 64.0):
         raise ConfigError(f"train.moe_load_imbalance={value!r} must lie in [1, 64] (the busiest expert-parallel rank's "
                           "tokens over the mean; 1 = balanced)")
@@ -355,6 +364,18 @@ def _names(node: DictConfig, key: str) -> tuple[str, ...] | None:
     if isinstance(value, ListConfig):
         return tuple(str(item) for item in value)
     raise ConfigError(f"{key}={value!r} must be a list such as [attn,moe_router]")
+
+
+def _pinned_sizes(given: Mapping[str, object], parallel: ParallelSpec) -> ParallelSpec:
+    """The sizes a search keeps, the free ones at values no feature rule objects to (PP 1, VP 2, TP and EP 2), so
+    the features' size rules fail here only for what the user pinned."""
+    pp = int(given.get("pipeline_model_parallel_size") or 1)
+    free_vp = 2 if pp > 1 else 1
+    return dataclasses.replace(
+        parallel, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=int(given.get("virtual_pipeline_model_parallel_size") or free_vp),
+        tensor_model_parallel_size=int(given.get("tensor_model_parallel_size") or 2),
+        expert_model_parallel_size=int(given.get("expert_model_parallel_size") or 2))
 
 
 def _features(cfg: DictConfig, model: ModelSpec, *, search: bool) -> tuple[RuntimeFeatures, dict[str, object]]:
@@ -473,13 +494,14 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
         recompute_granularity=Recompute(_enum_value(values["recompute_granularity"])),
         precision=_precision(cfg.train.precision),
         **_fp8_fields(cfg, _precision(cfg.train.precision), cluster, parallel),
-        moe_load_imbalance=_imbalance(cfg.train.get("moe_load_imbalance", 1.0)),
+        moe_load_imbalance=_imbalance(cfg.train.get("moe_load_imbalance"), cluster.runtime),
     )
     for index, group in enumerate(cluster.node_groups):
         check_precision(train, group.gpu, where=f"cluster.node_groups[{index}].gpu" if cluster.is_heterogeneous
                         else "cluster.gpu")
     _check_run_size(cfg)
-    problem = feature_problem(features, model=model, parallel=None if search else parallel, train=train)
+    problem = feature_problem(features, model=model, parallel=_pinned_sizes(given, parallel) if search else parallel,
+                              train=train)
     if problem:
         raise ConfigError(problem)
     given.update(pinned)

@@ -191,6 +191,14 @@ class RuntimeConfig:
     attention_efficiency_scale: float = 1.0
     attention_efficiency_by_architecture: Dict[str, float] = field(default_factory=dict)
     comm_efficiency_scale: float = 1.0
+    host_kernel_us: float = 5.0
+    """CPU time per launched kernel (Python, PyTorch, Transformer Engine, the launch), microseconds."""
+    host_sync_us: float = 20.0
+    """GPU idle per device-to-host sync, microseconds."""
+    moe_dropless_imbalance: float = 1.0
+    """Busiest EP rank's tokens over the mean under dropless aux-loss routing (fitted)."""
+    step_time_intervals: Dict[str, List[float]] = field(default_factory=dict)
+    """kind -> [low, high] of measured/predicted - 1 over held-out published runs (written by megapipe validate)."""
 
 
 @dataclass
@@ -245,9 +253,10 @@ class TrainConfig:
     """Derived as global_batch_size / (micro_batch_size * data-parallel size); set it only to simulate directly."""
     total_tokens: float = 2.0e12
     """Tokens of the whole training run, for the cost estimate."""
-    moe_load_imbalance: float = 1.0
-    """MoE routing assumption: the busiest expert-parallel rank gets this many times the mean tokens
-    (1.0 = balanced, what aux-loss-free or forced balancing aims for)."""
+    moe_load_imbalance: Optional[float] = None
+    """MoE routing assumption: the busiest expert-parallel rank gets this many times the mean tokens (1.0 =
+    balanced, what aux-loss-free or forced balancing aims for); null is the runtime's moe_dropless_imbalance,
+    dropless aux-loss routing as published runs measured it."""
     moe_permute_fusion: Optional[bool] = None
     """MoE: Transformer Engine's fused permute/unpermute; null is on in `megapipe plan` (as every
     Megatron-Bridge MoE recipe sets it), Megatron's off elsewhere."""
@@ -333,7 +342,9 @@ class ValidateConfig:
     """Refit without every run of one source (table, paper, write-up) in turn and predict those runs: the
     headline error, what a new source can expect."""
     fit: Optional[List[str]] = None
-    """Runtime fields to fit (megapipe.validation.fit.FIT_FIELDS); null means DEFAULT_FIT."""
+    """Runtime fields to fit on the dense runs (megapipe.validation.fit.FIT_FIELDS); null means DEFAULT_FIT."""
+    fit_moe: Optional[List[str]] = None
+    """Runtime fields to fit on the MoE runs, the dense fields held; null means MOE_FIT."""
     docs: Optional[str] = None
     """A Markdown file whose section between the validation markers is rewritten with the table."""
 

@@ -25,10 +25,9 @@ are the kernel's thread blocks, quantized in waves over the SMs like GEMM tiles.
 cuBLAS GEMM per local expert over :data:`GEMM_STREAMS` CUDA streams, ``nvte_multi_stream_cublas_gemm``):
 the GEMMs of one round of streams share the SMs' waves. Each expert streams its own weights, which a
 small token count per expert cannot hide under its MMAs: ``time = max(c, m) + beta min(c, m)`` for
-compute ``c`` and operand traffic ``m``, with ``beta`` = :data:`GROUPED_LOAD_SHARE` from DeepGEMM's
-published table (H800 FP8, 16 shapes from 64 to 8,192 rows per expert; fitted there with 6.4% rms
-error, against 23% for the plain roofline). It gives the small-M roll-off of grouped GEMMs: about
-``M / (M + M_half)`` of the large-M rate with ``M_half = peak x element bytes / (2 x HBM bandwidth)``.
+compute ``c`` and operand traffic ``m``, with ``beta`` = :data:`GROUPED_LOAD_SHARE` fitted to DeepGEMM's
+published table (H800 FP8, 256 to 8,192 rows per expert). With the tile and wave quantization it gives the
+small-M roll-off of grouped GEMMs.
 
 **Memory-bound kernels** move ``bytes`` at ``bandwidth_efficiency * hbm`` plus a fixed overhead
 per kernel.
@@ -38,6 +37,7 @@ from __future__ import annotations
 
 import math
 
+from megapipe.cost.precision import recipe_gemm_share
 from megapipe.errors import ConfigError
 from megapipe.records import GpuSpec, RuntimeSpec
 
@@ -55,9 +55,11 @@ _BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
 GEMM_STREAMS = 4
 """CUDA streams Transformer Engine spreads a grouped GEMM's per-expert GEMMs over
 (``transformer_engine/common/gemm/cublaslt_gemm.cu``, ``num_streams = 4``)."""
-GROUPED_LOAD_SHARE = 0.6
-"""Share of the smaller of compute and operand-load time a grouped GEMM does not overlap (DeepGEMM README at
-327ec92f, H800 SXM5 FP8 grouped and small-M tables: least-squares fit over 16 shapes, beta = 0.615)."""
+GROUPED_LOAD_SHARE = 0.3
+"""Share of the smaller of compute and operand-load time a grouped GEMM does not overlap: the least-squares fit
+of this module's grouped-GEMM time (tile and wave quantization included) to DeepGEMM's published H800 FP8 table
+(README at 327ec92f, its 10 rows with 256 to 8,192 rows per expert; 6.7% rms, against 15% for the plain
+roofline)."""
 
 
 def peak_flops(gpu: GpuSpec, dtype: str = "bf16") -> float:
@@ -90,9 +92,10 @@ def _tile_utilization(m: int, n: int, num_sms: int, groups: int = 1) -> float:
     return best
 
 
-def _gemm_rate(gpu: GpuSpec, dtype: str, runtime: RuntimeSpec) -> float:
+def _gemm_rate(gpu: GpuSpec, dtype: str, runtime: RuntimeSpec, recipe: str = "") -> float:
     efficiency = (gpu.fp8_matmul_efficiency or gpu.matmul_efficiency) if dtype == "fp8" else gpu.matmul_efficiency
-    return efficiency * runtime.gemm_scale(gpu.architecture) * peak_flops(gpu, dtype)
+    share = recipe_gemm_share(recipe) if dtype == "fp8" else 1.0
+    return efficiency * share * runtime.gemm_scale(gpu.architecture) * peak_flops(gpu, dtype)
 
 
 def memory_ms(*, num_bytes: float, gpu: GpuSpec, kernels: float = 0.0) -> float:
@@ -101,7 +104,7 @@ def memory_ms(*, num_bytes: float, gpu: GpuSpec, kernels: float = 0.0) -> float:
 
 
 def gemm_ms(*, m: float, n: float, k: float, dtype: str, gpu: GpuSpec, runtime: RuntimeSpec = RuntimeSpec(),
-            out_bytes: int = 2, groups: int = 1) -> float:
+            out_bytes: int = 2, groups: int = 1, recipe: str = "") -> float:
     """One GEMM producing an ``m x n`` output over a reduction of ``k``; 0 when any side is 0.
 
     With ``groups`` it is one grouped GEMM (the routed experts, CUTLASS/cuBLAS grouped GEMM) of that many
@@ -111,7 +114,7 @@ def gemm_ms(*, m: float, n: float, k: float, dtype: str, gpu: GpuSpec, runtime: 
         return 0.0
     m, n = int(math.ceil(m)), int(math.ceil(n))
     utilization = _tile_utilization(m, n, gpu.num_sms, groups)
-    compute = 2.0 * groups * m * n * k / (_gemm_rate(gpu, dtype, runtime) * utilization)
+    compute = 2.0 * groups * m * n * k / (_gemm_rate(gpu, dtype, runtime, recipe) * utilization)
     traffic = groups * (_BYTES[dtype] * (m * k + k * n) + out_bytes * m * n)
     memory = traffic / (gpu.bandwidth_efficiency * gpu.hbm_gbytes_per_s * 1e9)
     return max(compute, memory) * 1e3 + kernel_overhead_ms(gpu)
@@ -136,7 +139,7 @@ def attention_ms(*, batch_heads: float, q_len: int, kv_len: int, head_dim: int, 
 
 
 def grouped_gemm_ms(*, m: float, n: float, k: float, groups: int, dtype: str, gpu: GpuSpec,
-                    runtime: RuntimeSpec = RuntimeSpec(), out_bytes: int = 2) -> float:
+                    runtime: RuntimeSpec = RuntimeSpec(), out_bytes: int = 2, recipe: str = "") -> float:
     """``groups`` GEMMs of ``m x n`` over ``k`` each (the local experts, ``m`` the busiest expert's rows), as
     Transformer Engine runs them: one cuBLAS GEMM per expert over :data:`GEMM_STREAMS` streams; 0 when empty."""
     if m <= 0 or n <= 0 or k <= 0 or groups <= 0:
@@ -144,7 +147,7 @@ def grouped_gemm_ms(*, m: float, n: float, k: float, groups: int, dtype: str, gp
     m, n = int(math.ceil(m)), int(math.ceil(n))
     concurrent = min(GEMM_STREAMS, groups)
     utilization = _tile_utilization(m, n, gpu.num_sms, concurrent)
-    compute = 2.0 * groups * m * n * k / (_gemm_rate(gpu, dtype, runtime) * utilization)
+    compute = 2.0 * groups * m * n * k / (_gemm_rate(gpu, dtype, runtime, recipe) * utilization)
     traffic = groups * (_BYTES[dtype] * (m * k + k * n) + out_bytes * m * n)
     memory = traffic / (gpu.bandwidth_efficiency * gpu.hbm_gbytes_per_s * 1e9)
     seconds = max(compute, memory) + GROUPED_LOAD_SHARE * min(compute, memory)

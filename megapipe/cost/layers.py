@@ -92,10 +92,11 @@ _CROSS_ENTROPY_ALL_REDUCES = 3
 
 def _gemm(m: float, n: float, k: float, shapes: Shapes, device: Device, dtype: str | None = None,
           groups: int = 1) -> float:
+    dtype = dtype or shapes.gemm_dtype
     if groups > 1:
-        return grouped_gemm_ms(m=m, n=n, k=k, groups=groups, dtype=dtype or shapes.gemm_dtype, gpu=device.gpu,
-                               runtime=device.runtime)
-    return gemm_ms(m=m, n=n, k=k, dtype=dtype or shapes.gemm_dtype, gpu=device.gpu, runtime=device.runtime)
+        return grouped_gemm_ms(m=m, n=n, k=k, groups=groups, dtype=dtype, gpu=device.gpu, runtime=device.runtime,
+                               recipe=shapes.fp8_recipe)
+    return gemm_ms(m=m, n=n, k=k, dtype=dtype, gpu=device.gpu, runtime=device.runtime, recipe=shapes.fp8_recipe)
 
 
 def _tp_ms(kind: Collective, shapes: Shapes, device: Device, num_bytes: float | None = None) -> float:

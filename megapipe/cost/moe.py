@@ -49,6 +49,7 @@ __all__ = [
     "overlapped_ms",
     "padding_rows",
     "moe_timing",
+    "combined_1f1b_saved_ms",
 ]
 
 ROUTER_KERNELS = 72
@@ -66,8 +67,11 @@ DISPATCHER_SMS = {"alltoall": 16, "allgather": 16, "deepep": 20, "hybridep": 16}
 channels (16, an assumption)."""
 _FP8_ALIGN = {"mxfp8": 32}
 """Rows each expert's FP8 segment is padded to (``get_align_size_for_quantization``): 32 for MXFP8, 16 else."""
-_FP8_DISPATCH_BYTES = (1 + 4 / 128) / 2
-"""FP8 dispatch bytes over BF16's: one byte per element and an fp32 scale per 128 (DeepEP's fp8_factor)."""
+KERNEL_NVLINK_GBYTES_PER_S = {"deepep": (494.0, 420.0), "hybridep": (550.0, 538.0)}
+"""(dispatch, combine) NVLink throughput, GB/s per GPU, that DeepEP's and HybridEP's own kernels reach through
+their PyTorch API with their SM budgets, BF16, 4,096 tokens of hidden 7,168, top-8: DeepEP on 8 B200 with 24 SMs,
+HybridEP on 8 GB200 with 16 SMs (deepseek-ai/DeepEP branch hybrid-ep 94a9f8f6, docs/README_Hybrid-EP.md). Below an
+NVLink 5 link's 900 GB/s, so on Blackwell the kernels, not the link, set the rate; on H100's NVLink 4 the link does."""
 
 
 def padding_rows(shapes: Shapes) -> float:
@@ -170,13 +174,16 @@ def dispatch_ms(shapes: Shapes, device: Device) -> Dispatch:
     reached = expected_reach(bins=max(1, round(domains)), experts=shapes.num_experts, topk=topk,
                              groups=shapes.moe_router_num_groups, group_topk=shapes.moe_router_group_topk)
     remote_domains = max(0.0, reached - 1.0 / max(domains, 1.0) * reached) if domains > 1 else 0.0
-    fp8 = _FP8_DISPATCH_BYTES if (shapes.gemm_dtype == "fp8" and shapes.dispatcher == "deepep") else 1.0
     token = e * h * tokens * imbalance
-    nvlink = token * ranks * (1.0 - 1.0 / ep) / _bytes_per_ms(intra_link, scale)
+    link = _bytes_per_ms(intra_link, scale)
     network = token * remote_domains / _bytes_per_ms(inter_link, scale) if domains > 1 else 0.0
     latency = (inter_link if domains > 1 else intra_link).latency_us * 1e-3
-    combine = max(nvlink, network) + latency
-    return Dispatch(dispatch_ms=max(nvlink * fp8, network * fp8) + latency, combine_ms=combine, tp_ms=tp)
+    forwarded = token * ranks * (1.0 - 1.0 / min(ep, local))  # copies leaving this GPU over NVLink
+    one_way = []
+    for kernel in KERNEL_NVLINK_GBYTES_PER_S[shapes.dispatcher]:
+        rate = min(link, kernel * 1e9 * scale * 1e-3)
+        one_way.append(max(forwarded / rate, network) + latency)
+    return Dispatch(dispatch_ms=one_way[0], combine_ms=one_way[1], tp_ms=tp)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -236,6 +243,51 @@ def moe_parts(shapes: Shapes, device: Device) -> MoeParts:
                     permute_bwd_ms=permute_fwd, comm=dispatch_ms(shapes, device), preprocess_ms=preprocess)
 
 
+def combined_1f1b_saved_ms(*, attention_f: float, attention_b: float, mlp_f: float, mlp_b: float, mlp_wgrad: float,
+                           dispatch: float, combine: float, delay_wgrad: bool, comm_sms: int,
+                           num_sms: int) -> tuple[float, float]:
+    """(forward, backward) ms megatron-core's combined 1F1B hides for one MoE layer's pair of microbatches.
+
+    The layer's forward of microbatch i+1 and backward of microbatch i run as two streams (megatron-core
+    ``TransformerLayerSchedulePlan.run``): compute attention_f, the experts' backward (dgrad, then wgrad), the
+    experts' forward, attention_b; communication combine_b, dispatch_f, dispatch_b, combine_f. Each op waits for
+    the one before it on its stream and for what it consumes: the experts' backward for combine_b, dispatch_f for
+    attention_f, the experts' forward for dispatch_f, combine_f for the experts' forward, attention_b for
+    dispatch_b, and dispatch_b for the experts' dgrad (``delay_wgrad_compute``) or their whole backward. The pair
+    takes the two-stream list schedule's makespan; what it saves against running the ops one after another is
+    split between the directions as their all-to-alls are, less the compute slowed by the SMs the
+    communication kernels hold while they overlap."""
+    dgrad = mlp_b - mlp_wgrad
+    compute = {"attention_f": attention_f, "dgrad": dgrad, "wgrad": mlp_wgrad, "mlp_f": mlp_f, "attention_b": attention_b}
+    comm = {"combine_b": combine, "dispatch_f": dispatch, "dispatch_b": dispatch, "combine_f": combine}
+    needs = {"dgrad": "combine_b", "dispatch_f": "attention_f", "mlp_f": "dispatch_f", "combine_f": "mlp_f",
+             "attention_b": "dispatch_b", "dispatch_b": "dgrad" if delay_wgrad else "wgrad"}
+    done: dict[str, float] = {}
+    clock = {"compute": 0.0, "comm": 0.0}
+    queues = {"compute": list(compute), "comm": list(comm)}
+    durations = {**compute, **comm}
+    while queues["compute"] or queues["comm"]:
+        progressed = False
+        for stream in ("compute", "comm"):
+            if not queues[stream]:
+                continue
+            name = queues[stream][0]
+            need = needs.get(name)
+            if need is not None and need not in done:
+                continue
+            start = max(clock[stream], done.get(need, 0.0))
+            done[name] = clock[stream] = start + durations[name]
+            queues[stream].pop(0)
+            progressed = True
+        if not progressed:  # a dependency cycle cannot happen with these orders
+            raise AssertionError(f"combined 1F1B schedule stuck at {queues}")
+    serial = math.fsum(durations.values())
+    hidden = max(0.0, serial - max(done.values()))
+    slow = num_sms / (num_sms - comm_sms) - 1.0 if num_sms > comm_sms > 0 else 0.0
+    saved = max(0.0, hidden - hidden * slow)
+    return saved / 2, saved / 2  # both directions move the same bytes
+
+
 def overlapped_ms(*, comm_ms: tuple[float, ...], compute_ms: tuple[float, ...], comm_sms: int, num_sms: int) -> float:
     """Time hidden when each communication runs under the paired compute on another stream.
 
@@ -286,11 +338,10 @@ def moe_timing(shapes: Shapes, device: Device, *, attention: Timing, mlp: dict[s
         router_f, router_b, _ = _split(mlp, "router")
         mlp_f = experts_f + shared_f + router_f + parts.router_fwd_ms + parts.permute_fwd_ms
         mlp_b = experts_b + shared_b + router_b + parts.router_bwd_ms + parts.permute_bwd_ms
-        moved = experts_w + shared_w if features.delay_wgrad_compute else 0.0
-        saved_b = overlapped_ms(comm_ms=(combine, dispatch), compute_ms=(attention.fwd_ms, mlp_f + moved),
-                                comm_sms=sms, num_sms=device.gpu.num_sms)
-        saved_f = overlapped_ms(comm_ms=(dispatch, combine), compute_ms=(mlp_b - moved, attention.bwd_ms),
-                                comm_sms=sms, num_sms=device.gpu.num_sms)
+        saved_f, saved_b = combined_1f1b_saved_ms(
+            attention_f=attention.fwd_ms, attention_b=attention.bwd_ms, mlp_f=mlp_f, mlp_b=mlp_b,
+            mlp_wgrad=experts_w + shared_w, dispatch=dispatch, combine=combine,
+            delay_wgrad=features.delay_wgrad_compute, comm_sms=sms, num_sms=device.gpu.num_sms)
     total = dispatch + combine
     return (part("memory_bound", parts.router_fwd_ms + parts.permute_fwd_ms, parts.router_bwd_ms + parts.permute_bwd_ms)
             + part("ep_comm", parts.preprocess_ms + total - saved_f, total - saved_b))

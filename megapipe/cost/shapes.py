@@ -216,7 +216,7 @@ def _imbalance(model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> fl
     tokens = train.seq_length // parallel.context_parallel_size * train.micro_batch_size
     assignments = tokens * model.moe_router_topk * parallel.expert_tp / parallel.tensor_model_parallel_size
     spread = forced_balance_imbalance(assignments=assignments, ranks=parallel.expert_model_parallel_size)
-    if parallel.features.moe_router_force_load_balancing:
+    if parallel.features.moe_router_force_load_balancing or train.moe_load_imbalance is None:
         return spread
     return max(train.moe_load_imbalance, spread)
 

@@ -180,5 +180,6 @@ class Evaluator:
                            stage_recompute=prepared.stage_recompute, step_overhead_ms=step_overhead,
                            breakdown=breakdown,
                            dispatcher_bytes=dispatcher_transient_bytes(model=self.model, parallel=cand.parallel,
-                                                                       train=cand.train))
+                                                                       train=cand.train),
+                           moe=self.model.is_moe)
 

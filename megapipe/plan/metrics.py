@@ -15,6 +15,7 @@ import dataclasses
 import math
 
 from megapipe.emit.emitted import megatron_schedule_warnings
+from megapipe.plan.interval import step_interval
 from megapipe.plan.money import cost_per_million_tokens, training_cost
 from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.plan.warnings import plan_warnings
@@ -32,7 +33,7 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
                 specs: tuple[StageSpec, ...], sync_ms: float, optimizer_ms: float, cluster: ClusterSpec,
                 options: SearchOptions, flops_per_token: float, stage_recompute: tuple[str, ...] = (),
                 step_overhead_ms: float = 0.0, breakdown: tuple[tuple[str, float], ...] = (),
-                dispatcher_bytes: float = 0.0) -> Plan:
+                dispatcher_bytes: float = 0.0, moe: bool = False) -> Plan:
     """The Plan of one simulated partition: step time, throughput, MFU, memory spread, money, warnings."""
     par, train = cand.parallel, cand.train
     step_s = (sim.step_time_ms + sync_ms + optimizer_ms + step_overhead_ms) / 1e3
@@ -73,5 +74,7 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
         feasible=over_gib == 0.0, memory_over_gib=over_gib,
         warnings=warnings, stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
         stage_recompute=stage_recompute, step_overhead_ms=step_overhead_ms, breakdown=breakdown,
+        step_time_interval=step_interval(cluster.runtime, moe=moe, architecture=cluster.gpu.architecture,
+                                         precision=train.precision),
         partition=part, simulation=sim,
     )

@@ -156,6 +156,9 @@ class Plan:
     """Recompute setting per pipeline rank when it was searched per stage; train then holds the strongest one."""
     step_overhead_ms: float = 0.0
     """The runtime's fixed time per step (RuntimeSpec.step_overhead_ms)."""
+    step_time_interval: tuple[float, float] | None = None
+    """(low, high): the measured step over step_time_s minus 1, for 80% of held-out published runs of this kind
+    (megapipe.plan.interval); None without validated intervals."""
     breakdown: tuple[tuple[str, float], ...] = ()
     """Where one step's time goes, ms, summing to step_time_s: the slowest pipeline rank's kernels and exposed
     communication by part (megapipe.records.TIME_PARTS, times its microbatches), the framework's per-microbatch
@@ -216,6 +219,8 @@ class Plan:
             "decoder_layers_per_stage": list(self.decoder_layers_per_stage),
             "layout": self.layout,
             "step_time_s": _round(self.step_time_s),
+            **({"step_time_interval": [_round(v) for v in self.step_time_interval]}
+               if self.step_time_interval else {}),
             "pipeline_ms": _round(self.pipeline_ms),
             "dp_sync_ms": _round(self.dp_sync_ms),
             "optimizer_ms": _round(self.optimizer_ms),

@@ -28,15 +28,16 @@ from megapipe.plan.plans import Plan
 from megapipe.records import ClusterSpec, RuntimeSpec
 from megapipe.validation.predict import Resolved, predict, run_cluster
 
-__all__ = ["FIT_FIELDS", "DEFAULT_FIT", "with_values", "RunSet", "Fitted", "fit_runtime", "leave_one_out",
-           "leave_one_source_out", "source_of"]
+__all__ = ["FIT_FIELDS", "DEFAULT_FIT", "MOE_FIT", "with_values", "RunSet", "Fitted", "Stage", "fit_stages",
+           "fit_runtime", "leave_one_out", "leave_one_source_out", "source_of", "stages_of", "staged_leave_one_out"]
 
 _TABLES = {"gemm_efficiency_scale": "gemm_efficiency_by_architecture",
            "attention_efficiency_scale": "attention_efficiency_by_architecture"}
 FIT_FIELDS = ("gemm_efficiency_scale.ampere", "gemm_efficiency_scale.hopper", "gemm_efficiency_scale.blackwell",
               "attention_efficiency_scale.ampere", "attention_efficiency_scale.hopper",
               "attention_efficiency_scale.blackwell", "gemm_efficiency_scale", "attention_efficiency_scale",
-              "comm_efficiency_scale", "microbatch_overhead_ms", "step_overhead_ms")
+              "comm_efficiency_scale", "microbatch_overhead_ms", "step_overhead_ms", "host_kernel_us", "host_sync_us",
+              "moe_dropless_imbalance")
 """What can be fitted: ``<scale>.<architecture>`` is that generation's entry of the runtime's per-architecture
 table (RuntimeSpec.gemm_efficiency_by_architecture, attention_efficiency_by_architecture)."""
 DEFAULT_FIT = ("gemm_efficiency_scale.ampere", "gemm_efficiency_scale.hopper", "gemm_efficiency_scale.blackwell",
@@ -45,7 +46,12 @@ DEFAULT_FIT = ("gemm_efficiency_scale.ampere", "gemm_efficiency_scale.hopper", "
 (A100 runs spend ~2% in attention, too little to fix its scale), and the per-step overhead. The collectives keep
 nccl-tests' measured bus bandwidth (scale 1), and the per-microbatch overhead stays 0: the public runs do not
 determine it (a fit puts it at 0)."""
-_OVERHEAD_START = {"microbatch_overhead_ms": 1.0, "step_overhead_ms": 10.0}
+MOE_FIT = ("host_kernel_us", "moe_dropless_imbalance")
+"""What the MoE runs fit, with the kernels' scales fixed by the dense runs: the host's time per launched kernel
+(which only a MoE layer's token-count sync exposes) and dropless routing's imbalance. Fitting the kernels' scales
+on MoE runs too would let whatever a MoE layer's model misses bend the constants every dense plan uses."""
+_OVERHEAD_START = {"microbatch_overhead_ms": 1.0, "step_overhead_ms": 10.0, "host_kernel_us": 20.0, "host_sync_us": 20.0,
+                   "moe_dropless_imbalance": 1.3}
 """Where a zero overhead starts its fit (log coordinates cannot start at 0)."""
 _STEP = 1e-3
 """Finite-difference step in log coordinates: 0.1%, wide enough to see past the model's max() kinks."""
@@ -92,8 +98,17 @@ def _value(runtime: RuntimeSpec, name: str) -> float:
     return getattr(runtime, name)
 
 
+def _start(runtime: RuntimeSpec, name: str) -> float:
+    """Where a field starts its fit: its value, or off the kinks where it does not act yet (an overhead of 0, an
+    imbalance of exactly 1, a host cost the GPU still hides), which a finite difference would read as no effect."""
+    value = _value(runtime, name)
+    if name in _OVERHEAD_START and (not value or (name == "moe_dropless_imbalance" and value <= 1.0)):
+        return _OVERHEAD_START[name]
+    return value
+
+
 def _to_free(runtime: RuntimeSpec, fields: Sequence[str]) -> np.ndarray:
-    values = [_value(runtime, name) or _OVERHEAD_START.get(name, 1.0) for name in fields]
+    values = [_start(runtime, name) for name in fields]
     return np.log(np.asarray(values, dtype=float))
 
 
@@ -122,9 +137,60 @@ def _residual(runs: RunSet, start: RuntimeSpec, fields: Sequence[str], indices: 
     return residual
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stage:
+    """One step of the fit: these fields, fitted on these runs, the earlier stages' fields held."""
+
+    name: str
+    fields: tuple[str, ...]
+    indices: tuple[int, ...]
+
+
+def stages_of(resolved: Sequence[Resolved], *, dense: Sequence[str] = DEFAULT_FIT,
+              moe: Sequence[str] = MOE_FIT) -> tuple[Stage, ...]:
+    """The kernels' scales on the dense runs, then the MoE fields on the MoE runs (fitted runs only)."""
+    fitted = fit_indices(resolved)
+    return (Stage(name="dense", fields=tuple(dense),
+                  indices=tuple(i for i in fitted if not resolved[i].run.model.is_moe)),
+            Stage(name="moe", fields=tuple(moe), indices=tuple(i for i in fitted if resolved[i].run.model.is_moe)))
+
+
+def fit_stages(runs: RunSet, *, start: RuntimeSpec, stages: Sequence[Stage], max_iter: int = 30,
+               neutral: RuntimeSpec | None = None) -> RuntimeSpec:
+    """Each stage fitted in turn from ``start``; with ``neutral``, fields a stage's runs do not determine take
+    its value (a held-out fold must not keep what the left-out runs fixed)."""
+    runtime = start
+    for stage in stages:
+        if not stage.fields or len(stage.indices) < len(stage.fields):
+            if neutral is not None:
+                runtime = with_values(runtime, {name: _value(neutral, name) for name in stage.fields})
+            continue
+        result = fit_runtime(runs, start=runtime, fields=stage.fields, indices=stage.indices, max_iter=max_iter)
+        runtime = result.runtime
+        if neutral is not None:
+            unfixed = {name: _value(neutral, name) for name in stage.fields if name not in result.identified}
+            runtime = with_values(runtime, unfixed) if unfixed else runtime
+    return runtime
+
+
+def staged_leave_one_out(runs: RunSet, *, start: RuntimeSpec, stages: Sequence[Stage], mapper: Callable = map
+                         ) -> tuple[float, ...]:
+    """Leave-one-run-out over the stages: a run is refitted out of its own stage (a dense run's prediction does
+    not read the MoE fields, and a MoE run is in the last stage), the rest predicted with ``start``."""
+    out = [runs.plan(index, start).step_time_s for index in range(len(runs))]
+    for stage in stages:
+        if not stage.fields or len(stage.indices) <= len(stage.fields):
+            continue
+        held = leave_one_out(runs, start=start, fields=stage.fields, mapper=mapper, indices=stage.indices)
+        for index in stage.indices:
+            out[index] = held[index]
+    return tuple(out)
+
+
 def fit_indices(resolved: Sequence[Resolved]) -> tuple[int, ...]:
-    """The runs the runtime constants are fitted on: all but those marked validation-only (``fit: false``)."""
-    return tuple(index for index, item in enumerate(resolved) if item.run.fit)
+    """The runs the runtime constants are fitted on: all but those marked validation-only (``fit: false``) and
+    those of models with features megapipe does not model (``ModelSpec.not_modelled``)."""
+    return tuple(index for index, item in enumerate(resolved) if item.run.fit and not item.run.model.not_modelled)
 
 
 def fit_runtime(runs: RunSet, *, start: RuntimeSpec = RuntimeSpec(), fields: Sequence[str] = DEFAULT_FIT,
@@ -194,22 +260,30 @@ def source_of(resolved: Resolved) -> str:
     return resolved.run.set or resolved.run.id
 
 
-def leave_one_source_out(runs: RunSet, *, start: RuntimeSpec, fields: Sequence[str] = DEFAULT_FIT,
-                         neutral: RuntimeSpec = RuntimeSpec(), max_iter: int = 8, mapper: Callable = map,
-                         indices: Sequence[int] | None = None) -> tuple[float, ...]:
+def leave_one_source_out(runs: RunSet, *, start: RuntimeSpec, stages: Sequence[Stage],
+                         neutral: RuntimeSpec = RuntimeSpec(), max_iter: int = 8, mapper: Callable = map
+                         ) -> tuple[float, ...]:
     """Each run's predicted step time (s) with the runtime refitted without every run of its source.
 
-    ``indices``: the runs the fit uses (all by default). Each fold fits the others from ``start`` (the fit on
-    every run: a starting point, which the fold's own optimum replaces); a field the fold's runs cannot
-    determine takes its ``neutral`` value (the microbenchmarks' 1.0, no overhead), never the value the
+    Each fold refits, from ``start`` (the fit on every run: a starting point that the fold's own optimum
+    replaces), every stage that held one of the source's runs, and the stages after it; a field the fold's runs
+    cannot determine takes its ``neutral`` value (the microbenchmarks' 1.0, no overhead), never the value the
     left-out source helped fix.
     """
-    everyone = tuple(range(len(runs)) if indices is None else indices)
     sources = [source_of(item) for item in runs.resolved]
-    folds = [_SourceFold(source=source, rows=tuple(i for i in everyone if sources[i] != source),
-                         targets=tuple(i for i, s in enumerate(sources) if s == source), start=start,
-                         neutral=neutral, fields=tuple(fields), max_iter=max_iter)
-             for source in sorted(set(sources))]
+    folds = []
+    for source in sorted(set(sources)):
+        targets = tuple(i for i, s in enumerate(sources) if s == source)
+        left = frozenset(targets)
+        kept, changed = [], False
+        moe_targets = any(runs.resolved[i].run.model.is_moe for i in targets)
+        for stage in stages:
+            changed = changed or bool(left & set(stage.indices))
+            changed = changed and (stage.name != "moe" or moe_targets)  # MoE fields move MoE runs only
+            kept.append(Stage(name=stage.name, fields=stage.fields if changed else (),
+                              indices=tuple(i for i in stage.indices if i not in left)))
+        folds.append(_SourceFold(source=source, targets=targets, start=start, neutral=neutral, stages=tuple(kept),
+                                 max_iter=max_iter))
     predicted: dict[int, float] = {}
     for fold, times in zip(folds, mapper(functools.partial(_source_fold_prediction, runs), folds)):
         predicted.update(zip(fold.targets, times))
@@ -219,21 +293,16 @@ def leave_one_source_out(runs: RunSet, *, start: RuntimeSpec, fields: Sequence[s
 @dataclass(frozen=True, slots=True)
 class _SourceFold:
     source: str
-    rows: tuple[int, ...]
-    """The runs fitted: every fitted run of the other sources."""
     targets: tuple[int, ...]
     """The source's runs, fitted or not."""
     start: RuntimeSpec
     neutral: RuntimeSpec
-    fields: tuple[str, ...]
+    stages: tuple[Stage, ...]
+    """The stages with the source's runs removed; a stage the source does not touch keeps no fields (held)."""
     max_iter: int
 
 
 def _source_fold_prediction(runs: RunSet, fold: _SourceFold) -> tuple[float, ...]:
-    if len(fold.rows) < len(fold.fields):
-        fitted = fold.neutral
-    else:
-        result = fit_runtime(runs, start=fold.start, fields=fold.fields, indices=fold.rows, max_iter=fold.max_iter)
-        unfixed = {name: _value(fold.neutral, name) for name in fold.fields if name not in result.identified}
-        fitted = with_values(result.runtime, unfixed) if unfixed else result.runtime
+    fitted = fit_stages(runs, start=fold.start, stages=[stage for stage in fold.stages if stage.fields],
+                        max_iter=fold.max_iter, neutral=fold.neutral)
     return tuple(runs.plan(index, fitted).step_time_s for index in fold.targets)

@@ -144,4 +144,7 @@ def predict(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None 
     """
     evaluator = Evaluator(model=resolved.run.model, cluster=cluster, options=SearchOptions(ignore_memory_limit=True),
                           schedules=schedules)
-    return _evaluate(evaluator, candidate_of(resolved.parallel, resolved.train))
+    train = resolved.train
+    if train.moe_load_imbalance is None and resolved.run.model.is_moe:  # dropless routing, imbalance not stated
+        train = dataclasses.replace(train, moe_load_imbalance=cluster.runtime.moe_dropless_imbalance)
+    return _evaluate(evaluator, candidate_of(resolved.parallel, train))

@@ -20,7 +20,8 @@ from itertools import combinations
 from megapipe.validation.fit import source_of
 from megapipe.validation.report import Row
 
-__all__ = ["RankingGroup", "ranking_groups", "kendall_tau"]
+__all__ = ["RankingGroup", "ranking_groups", "kendall_tau", "ranking_markdown", "AblationStep", "ablation_steps",
+           "ablation_markdown"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +79,7 @@ def ranking_groups(rows: Sequence[Row], *, predicted: Callable[[Row], float | No
     Rows whose ``predicted`` is None (leave-one-source-out skipped) are left out of the groups."""
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
-        if predicted(row) is None:
+        if predicted(row) is None or row.resolved.run.step_only:
             continue
         run = row.resolved.run
         groups.setdefault((source_of(row.resolved), run.model.name, run.cluster, run.num_gpus), []).append(row)
@@ -120,3 +121,51 @@ def ranking_markdown(groups: Sequence[RankingGroup], *, loso: Sequence[RankingGr
 
 def _pairs(group: RankingGroup) -> str:
     return "; ".join(f"{fast} > {slow}" for fast, slow in group.inverted) or "none"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AblationStep:
+    """One step of a published optimisation sequence: what changed, and the gain measured and predicted."""
+
+    sequence: str
+    previous: str
+    run: str
+    measured_gain: float
+    """Throughput of this run over the previous step's, minus 1."""
+    predicted_gain: float
+
+    @property
+    def same_direction(self) -> bool:
+        return (self.measured_gain >= 0) == (self.predicted_gain >= 0) or abs(self.measured_gain) < 0.01
+
+
+def ablation_steps(rows: Sequence[Row], *, predicted: Callable[[Row], float | None] = lambda row: row.predicted_s
+                   ) -> tuple[AblationStep, ...]:
+    """Consecutive runs of each ablation sequence (``PublishedRun.ablation``, in file order)."""
+    sequences: dict[str, list[Row]] = {}
+    for row in rows:
+        if row.resolved.run.ablation and predicted(row) is not None:
+            sequences.setdefault(row.resolved.run.ablation, []).append(row)
+    out = []
+    for name, members in sorted(sequences.items()):
+        for before, after in zip(members, members[1:]):
+            measured = _tokens_per_s(after, after.measured_s) / _tokens_per_s(before, before.measured_s) - 1
+            guessed = _tokens_per_s(after, predicted(after)) / _tokens_per_s(before, predicted(before)) - 1
+            out.append(AblationStep(sequence=name, previous=before.resolved.run.id, run=after.resolved.run.id,
+                                    measured_gain=measured, predicted_gain=guessed))
+    return tuple(out)
+
+
+def ablation_markdown(steps: Sequence[AblationStep]) -> str:
+    """Each step's measured and predicted gain over the step before it."""
+    if not steps:
+        return "No ablation sequences in the data set.\n"
+    lines = ["| sequence | from | to | measured gain | predicted gain |", "|---|---|---|---|---|"]
+    for step in steps:
+        lines.append(f"| {step.sequence} | {step.previous} | {step.run} | {step.measured_gain:+.1%} | "
+                     f"{step.predicted_gain:+.1%} |")
+    agree = sum(step.same_direction for step in steps)
+    error = sum(abs(step.predicted_gain - step.measured_gain) for step in steps) / len(steps)
+    lines += ["", f"{agree} of {len(steps)} steps predicted in the measured direction; mean |predicted - measured| "
+              f"gain {error:.1%}."]
+    return "\n".join(lines) + "\n"

@@ -9,10 +9,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megapipe.plan.interval import interval_key, intervals_from_errors
 from megapipe.records import RuntimeSpec
 from megapipe.validation.predict import Resolved
 
-__all__ = ["Row", "Summary", "summarise", "markdown_table", "runtime_yaml", "row_dict", "TOP_PARTS"]
+__all__ = ["Row", "Summary", "summarise", "markdown_table", "runtime_yaml", "row_dict", "TOP_PARTS", "loso_intervals"]
 
 TOP_PARTS = 3
 """Breakdown parts shown per run in the table (the largest)."""
@@ -79,16 +80,33 @@ def _group(rows: Sequence[Row], label: str) -> Summary:
 
 
 def summarise(rows: Sequence[Row]) -> tuple[Summary, ...]:
-    """All runs; dense and MoE where both appear; then per precision, then per cluster."""
-    out = [_group(rows, "all")]
+    """All runs; dense and MoE where both appear; then per precision, then per cluster. Steps of an optimisation
+    sequence measured with software their source later fixed (``step_only``) are compared step to step instead."""
+    rows = [row for row in rows if not row.resolved.run.step_only]
+    unmodelled = [row for row in rows if row.resolved.run.model.not_modelled]
+    rows = [row for row in rows if not row.resolved.run.model.not_modelled]
+    out = [_group(rows, "all")] if rows else []
     moe = [row for row in rows if row.resolved.run.model.is_moe]
     if moe and len(moe) < len(rows):
         out.append(_group([row for row in rows if not row.resolved.run.model.is_moe], "dense"))
         out.append(_group(moe, "moe"))
+    if unmodelled:  # the model has features megapipe neither costs nor emits (GPT-OSS's sinks, Llama 4's NoPE)
+        out.append(_group(unmodelled, "unmodelled model features"))
     for key in ("precision", "cluster"):
         for value in sorted({getattr(row.resolved.run, key) for row in rows}):
             out.append(_group([row for row in rows if getattr(row.resolved.run, key) == value], value))
     return tuple(out)
+
+
+def loso_intervals(rows: Sequence[Row], architectures: dict[str, str]) -> tuple[tuple[str, float, float], ...]:
+    """The step-time intervals of :mod:`megapipe.plan.interval` from the rows' leave-one-source-out errors
+    (``architectures``: each run's cluster option to its GPU generation); steps and models with unmodelled
+    features left out."""
+    errors = [(interval_key(moe=row.resolved.run.model.is_moe, architecture=architectures[row.resolved.run.cluster],
+                            precision=row.resolved.run.precision), row.loso_error)
+              for row in rows if row.loso_error is not None and not row.resolved.run.step_only
+              and not row.resolved.run.model.not_modelled]
+    return intervals_from_errors(errors)
 
 
 def _pct(value: float | None) -> str:
@@ -110,7 +128,7 @@ def _settings(row: Row) -> str:
     text = (f"{par.tensor_model_parallel_size}/{par.pipeline_model_parallel_size}/"
             f"{par.virtual_pipeline_model_parallel_size}/{par.context_parallel_size}/{par.data_parallel_size} "
             f"mbs {train.micro_batch_size} {train.recompute_granularity.value}")
-    return text + ("" if row.resolved.fits else " (no fit)")
+    return text + ("" if row.resolved.fits else " (no fit)") + (" (step)" if row.resolved.run.step_only else "")
 
 
 def markdown_table(rows: Sequence[Row], summaries: Sequence[Summary], *, runtime: RuntimeSpec, command: str) -> str:
@@ -148,7 +166,8 @@ def runtime_summary(runtime: RuntimeSpec) -> str:
     return (f"GEMM scale {gemm or runtime.gemm_efficiency_scale}, attention scale "
             f"{attention or runtime.attention_efficiency_scale}, step overhead {runtime.step_overhead_ms:.1f} ms, "
             f"per-microbatch overhead {runtime.microbatch_overhead_ms:.3f} ms, collectives scale "
-            f"{runtime.comm_efficiency_scale:.3f}")
+            f"{runtime.comm_efficiency_scale:.3f}, host {runtime.host_kernel_us:.1f} us per kernel and "
+            f"{runtime.host_sync_us:.0f} us per sync, dropless MoE imbalance {runtime.moe_dropless_imbalance:.2f}")
 
 
 def runtime_yaml(runtime: RuntimeSpec, *, comment: str) -> str:
@@ -164,6 +183,10 @@ def runtime_yaml(runtime: RuntimeSpec, *, comment: str) -> str:
                  + ("" if runtime.attention_efficiency_by_architecture else " {}"))
     lines += [f"  {arch}: {_number(value)}" for arch, value in runtime.attention_efficiency_by_architecture]
     lines.append(f"comm_efficiency_scale: {_number(runtime.comm_efficiency_scale)}")
+    for key in ("host_kernel_us", "host_sync_us", "moe_dropless_imbalance"):
+        lines.append(f"{key}: {_number(getattr(runtime, key))}")
+    lines.append("step_time_intervals:" + ("" if runtime.step_time_intervals else " {}"))
+    lines += [f"  {key}: [{_number(low)}, {_number(high)}]" for key, low, high in runtime.step_time_intervals]
     return "\n".join(lines) + "\n"
 
 

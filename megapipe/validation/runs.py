@@ -55,6 +55,12 @@ class PublishedRun:
     assumptions: tuple[str, ...] = ()
     fit: bool = True
     """Used to fit the runtime constants; False keeps a run for validation only (its reason in assumptions)."""
+    ablation: str = ""
+    """The optimisation sequence the run is a step of (runs of one source that change one feature at a time, in
+    file order): ``megapipe validate`` compares each step's measured and predicted gain over the previous one."""
+    step_only: bool = False
+    """A step measured with software its own source later fixed in ways megapipe does not model (kernel bugs,
+    launch tuning): compared only with its neighbours in the sequence, not fitted or summarised alone."""
 
     @property
     def precision(self) -> str:
@@ -185,7 +191,7 @@ def _run(node: Mapping, index: int) -> PublishedRun:
         seq_length=positive_int(f"{where}.train.seq_length", train.get("seq_length") or model.seq_length),
         recompute_granularity=Recompute(recompute or "none"), precision=precision, fp8_recipe=recipe,
         fp8_param_gather=bool(train.get("fp8_param_gather") or False),
-        moe_load_imbalance=float(train.get("moe_load_imbalance") or 1.0),
+        moe_load_imbalance=None if train.get("moe_load_imbalance") is None else float(train["moe_load_imbalance"]),
     )
     stated = {"micro_batch_size": mbs, "virtual_pipeline_model_parallel_size": vp, "sequence_parallel": sp,
               "recompute_granularity": recompute}
@@ -207,7 +213,8 @@ def _run(node: Mapping, index: int) -> PublishedRun:
         schedule=str(schedule or ""),
         how=str(measured.get("how", "")), verified=bool(node.get("verified", True)),
         assumptions=tuple(str(item) for item in node.get("assumptions") or ()),
-        fit=bool(node.get("fit", True)),
+        fit=bool(node.get("fit", True)) and not bool(node.get("step_only", False)),
+        ablation=str(node.get("ablation") or ""), step_only=bool(node.get("step_only", False)),
     )
 
 
