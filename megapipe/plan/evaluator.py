@@ -30,6 +30,7 @@ from megapipe.cost.memory import dispatcher_transient_bytes
 from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec, Partition, Profile, StageSpec
 from megapipe.simulate import StageTimes, p2p_cost, simulate, stage_times
+from megapipe.simulate.engine import step_time_ms as simulate_step_ms
 
 __all__ = ["Evaluator", "Prepared"]
 
@@ -129,6 +130,14 @@ class Evaluator:
         p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
         sim = simulate(self.schedule(cand), prepared.times, p2p=p2p)
         return self._plan(prepared, sim)
+
+    def step_time_s(self, prepared: Prepared) -> float:
+        """The plan's step time without the rest of its record (:meth:`finish`'s step_time_s, cheaper)."""
+        cand = prepared.cand
+        p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
+        pipeline = simulate_step_ms(self.schedule(cand), prepared.times, p2p=p2p)
+        sums = prepared.sums
+        return (pipeline + sums.sync_ms + sums.optimizer_ms + self.cluster.runtime.step_overhead_ms) / 1e3
 
     def evaluate(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
                  check_memory: bool | None = None) -> Plan:

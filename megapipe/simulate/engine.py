@@ -13,7 +13,7 @@ from megapipe.schedules.base import Schedule
 from megapipe.simulate.program import Program, lower
 from megapipe.simulate.result import P2PCost, RankStats, SimResult, StageTimes
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "step_time_ms"]
 
 
 def _tables(schedule: Schedule, times: StageTimes, p2p: P2PCost) -> tuple[list[float], list[float]]:
@@ -94,6 +94,14 @@ def _peak_bytes(program: Program, act_bytes: tuple[float, ...] | None) -> list[f
                     peak = held
         peaks.append(peak)
     return peaks
+
+
+def step_time_ms(schedule: Schedule, times: StageTimes, *, p2p: P2PCost | None = None) -> float:
+    """:func:`simulate`'s step time alone (what a fit re-evaluates many times): the same ops, the same order."""
+    program = lower(schedule)
+    duration_table, delay_table = _tables(schedule, times, p2p or P2PCost())
+    _, end_at = _execute(schedule, program, duration_table, delay_table)
+    return max((end_at[ops[-1]] for ops in program.rank_ops if ops), default=0.0)
 
 
 def simulate(schedule: Schedule, times: StageTimes, *, p2p: P2PCost | None = None) -> SimResult:

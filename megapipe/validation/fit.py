@@ -26,7 +26,7 @@ from megapipe.errors import ConfigError
 from megapipe.least_squares import identified, jacobian, kept_directions, levenberg_marquardt
 from megapipe.plan.plans import Plan
 from megapipe.records import ClusterSpec, RuntimeSpec
-from megapipe.validation.predict import Resolved, predict, run_cluster
+from megapipe.validation.predict import Resolved, predict, predict_step_s, run_cluster
 
 __all__ = ["FIT_FIELDS", "DEFAULT_FIT", "MOE_FIT", "with_values", "RunSet", "Fitted", "Stage", "fit_stages",
            "fit_runtime", "leave_one_out", "leave_one_source_out", "source_of", "stages_of", "staged_leave_one_out"]
@@ -75,8 +75,12 @@ class RunSet:
         cluster = run_cluster(run.run, self.clusters[index], runtime)
         return predict(run, cluster, schedules=self._schedules[index])
 
+    def step_time_s(self, index: int, runtime: RuntimeSpec) -> float:
+        run = self.resolved[index]
+        return predict_step_s(run, run_cluster(run.run, self.clusters[index], runtime), schedules=self._schedules[index])
+
     def step_times(self, runtime: RuntimeSpec, indices: Sequence[int]) -> np.ndarray:
-        return np.array([self.plan(index, runtime).step_time_s for index in indices])
+        return np.array([self.step_time_s(index, runtime) for index in indices])
 
     def measured(self, indices: Sequence[int]) -> np.ndarray:
         return np.array([self.resolved[index].run.step_time_s for index in indices])
@@ -177,7 +181,7 @@ def staged_leave_one_out(runs: RunSet, *, start: RuntimeSpec, stages: Sequence[S
                          ) -> tuple[float, ...]:
     """Leave-one-run-out over the stages: a run is refitted out of its own stage (a dense run's prediction does
     not read the MoE fields, and a MoE run is in the last stage), the rest predicted with ``start``."""
-    out = [runs.plan(index, start).step_time_s for index in range(len(runs))]
+    out = [runs.step_time_s(index, start) for index in range(len(runs))]
     for stage in stages:
         if not stage.fields or len(stage.indices) <= len(stage.fields):
             continue
@@ -194,7 +198,7 @@ def fit_indices(resolved: Sequence[Resolved]) -> tuple[int, ...]:
 
 
 def fit_runtime(runs: RunSet, *, start: RuntimeSpec = RuntimeSpec(), fields: Sequence[str] = DEFAULT_FIT,
-                indices: Sequence[int] | None = None, max_iter: int = 30) -> Fitted:
+                indices: Sequence[int] | None = None, max_iter: int = 30, identify: bool = True) -> Fitted:
     """The runtime that best predicts the runs at ``indices`` (all by default), starting from ``start``."""
     unknown = [name for name in fields if name not in FIT_FIELDS]
     if unknown:
@@ -206,19 +210,20 @@ def fit_runtime(runs: RunSet, *, start: RuntimeSpec = RuntimeSpec(), fields: Seq
     theta, iterations = levenberg_marquardt(residual, _to_free(start, fields), max_iter=max_iter, step=_STEP,
                                             tolerance=1e-6)
     final = residual(theta)
-    determined = identified(jacobian(residual, theta, final, step=_STEP), fields)
+    determined = identified(jacobian(residual, theta, final, step=_STEP), fields) if identify else tuple(fields)
     return Fitted(runtime=_from_free(start, fields, theta), identified=tuple(determined),
                   rms_log_error=float(np.sqrt(np.mean(final**2))), iterations=iterations)
 
 
-def leave_one_out(runs: RunSet, *, start: RuntimeSpec, fields: Sequence[str] = DEFAULT_FIT, max_iter: int = 2,
+def leave_one_out(runs: RunSet, *, start: RuntimeSpec, fields: Sequence[str] = DEFAULT_FIT, max_iter: int = 0,
                   mapper: Callable = map, indices: Sequence[int] | None = None) -> tuple[float, ...]:
     """Each run's predicted step time (s) with the runtime refitted without it.
 
     ``indices``: the runs the fit uses (all by default); a run outside them is never fitted on, so its
-    held-out prediction is the one with ``start``. ``start`` is the fit on those runs. Each fold starts from it moved by one Gauss-Newton step without the
-    held-out run (the full fit's Jacobian with that row deleted: the fold's optimum to first order), then
-    refits on the other runs by Levenberg-Marquardt. ``mapper`` runs the folds (``map``, or a process pool's).
+    held-out prediction is the one with ``start``. ``start`` is the fit on those runs. Each fold moves it by one
+    Gauss-Newton step without the held-out run (the full fit's Jacobian with that row deleted: the fold's optimum
+    to first order, exact for a fit linear in its log-parameters), then, with ``max_iter``, refits on the other
+    runs by Levenberg-Marquardt. ``mapper`` runs the folds (``map``, or a process pool's).
     """
     everyone = tuple(range(len(runs)) if indices is None else indices)
     residual = _residual(runs, start, fields, everyone)
@@ -228,7 +233,7 @@ def leave_one_out(runs: RunSet, *, start: RuntimeSpec, fields: Sequence[str] = D
     folds = [_Fold(index=index, rows=everyone, start=start, fields=tuple(fields), theta=theta, base=base,
                    jacobian=full, max_iter=max_iter) for index in everyone]
     held_out = dict(zip(everyone, mapper(functools.partial(_fold_prediction, runs), folds)))
-    return tuple(held_out[index] if index in held_out else runs.plan(index, start).step_time_s
+    return tuple(held_out[index] if index in held_out else runs.step_time_s(index, start)
                  for index in range(len(runs)))
 
 
@@ -250,9 +255,10 @@ def _fold_prediction(runs: RunSet, fold: _Fold) -> float:
     kept = [row for row, other in enumerate(fold.rows) if other != fold.index]
     u, singular, vt = kept_directions(fold.jacobian[kept])
     shift = -vt.T @ ((u.T @ fold.base[kept]) / singular) if singular.size else np.zeros_like(fold.theta)
-    fold_start = _from_free(fold.start, fold.fields, fold.theta + shift)
-    fitted = fit_runtime(runs, start=fold_start, fields=fold.fields, indices=rest, max_iter=fold.max_iter).runtime
-    return runs.plan(fold.index, fitted).step_time_s
+    fitted = _from_free(fold.start, fold.fields, fold.theta + shift)
+    if fold.max_iter:
+        fitted = fit_runtime(runs, start=fitted, fields=fold.fields, indices=rest, max_iter=fold.max_iter).runtime
+    return runs.step_time_s(fold.index, fitted)
 
 
 def source_of(resolved: Resolved) -> str:
@@ -261,29 +267,38 @@ def source_of(resolved: Resolved) -> str:
 
 
 def leave_one_source_out(runs: RunSet, *, start: RuntimeSpec, stages: Sequence[Stage],
-                         neutral: RuntimeSpec = RuntimeSpec(), max_iter: int = 8, mapper: Callable = map
+                         neutral: RuntimeSpec = RuntimeSpec(), max_iter: int = 2, mapper: Callable = map
                          ) -> tuple[float, ...]:
     """Each run's predicted step time (s) with the runtime refitted without every run of its source.
 
-    Each fold refits, from ``start`` (the fit on every run: a starting point that the fold's own optimum
-    replaces), every stage that held one of the source's runs, and the stages after it; a field the fold's runs
-    cannot determine takes its ``neutral`` value (the microbenchmarks' 1.0, no overhead), never the value the
-    left-out source helped fix.
+    ``start`` is the fit on every run. A fold refits every stage that held one of the source's runs: one
+    Gauss-Newton step from ``start`` on the stage's Jacobian without the source's rows, then ``max_iter``
+    Levenberg-Marquardt iterations on the stage's other runs. A field those rows cannot determine takes its
+    ``neutral`` value (the microbenchmarks' 1.0, no overhead), never the value the left-out source helped fix. A
+    MoE stage is refitted after a dense one only for a source with MoE runs (dense predictions do not read it).
     """
     sources = [source_of(item) for item in runs.resolved]
+    jacobians = {}
+    for stage in stages:
+        if stage.fields and len(stage.indices) > len(stage.fields):
+            residual = _residual(runs, start, stage.fields, stage.indices)
+            theta = _to_free(start, stage.fields)
+            base = residual(theta)
+            jacobians[stage.name] = (theta, base, jacobian(residual, theta, base, step=_STEP))
     folds = []
     for source in sorted(set(sources)):
-        targets = tuple(i for i, s in enumerate(sources) if s == source)
+        targets = tuple(i for i, name in enumerate(sources) if name == source)
         left = frozenset(targets)
-        kept, changed = [], False
         moe_targets = any(runs.resolved[i].run.model.is_moe for i in targets)
+        kept, changed = [], False
         for stage in stages:
             changed = changed or bool(left & set(stage.indices))
             changed = changed and (stage.name != "moe" or moe_targets)  # MoE fields move MoE runs only
-            kept.append(Stage(name=stage.name, fields=stage.fields if changed else (),
-                              indices=tuple(i for i in stage.indices if i not in left)))
+            if changed:
+                kept.append(Stage(name=stage.name, fields=stage.fields,
+                                  indices=tuple(i for i in stage.indices if i not in left)))
         folds.append(_SourceFold(source=source, targets=targets, start=start, neutral=neutral, stages=tuple(kept),
-                                 max_iter=max_iter))
+                                 full=tuple(stages), jacobians=jacobians, max_iter=max_iter))
     predicted: dict[int, float] = {}
     for fold, times in zip(folds, mapper(functools.partial(_source_fold_prediction, runs), folds)):
         predicted.update(zip(fold.targets, times))
@@ -298,11 +313,29 @@ class _SourceFold:
     start: RuntimeSpec
     neutral: RuntimeSpec
     stages: tuple[Stage, ...]
-    """The stages with the source's runs removed; a stage the source does not touch keeps no fields (held)."""
+    """The stages to refit, the source's runs removed."""
+    full: tuple[Stage, ...]
+    jacobians: dict
+    """Per stage name: (theta, residual, Jacobian) at ``start`` over the stage's runs."""
     max_iter: int
 
 
 def _source_fold_prediction(runs: RunSet, fold: _SourceFold) -> tuple[float, ...]:
-    fitted = fit_stages(runs, start=fold.start, stages=[stage for stage in fold.stages if stage.fields],
-                        max_iter=fold.max_iter, neutral=fold.neutral)
-    return tuple(runs.plan(index, fitted).step_time_s for index in fold.targets)
+    runtime = fold.start
+    full = {stage.name: stage for stage in fold.full}
+    for stage in fold.stages:
+        if len(stage.indices) < len(stage.fields) or stage.name not in fold.jacobians:
+            runtime = with_values(runtime, {name: _value(fold.neutral, name) for name in stage.fields})
+            continue
+        theta, base, matrix = fold.jacobians[stage.name]
+        rows = [row for row, index in enumerate(full[stage.name].indices) if index in set(stage.indices)]
+        u, singular, vt = kept_directions(matrix[rows])
+        shift = -vt.T @ ((u.T @ base[rows]) / singular) if singular.size else np.zeros_like(theta)
+        stage_start = _from_free(runtime, stage.fields, _to_free(fold.start, stage.fields) + shift)
+        determined = identified(matrix[rows], stage.fields)
+        if fold.max_iter:
+            stage_start = fit_runtime(runs, start=stage_start, fields=stage.fields, indices=stage.indices,
+                                      max_iter=fold.max_iter, identify=False).runtime
+        unfixed = {name: _value(fold.neutral, name) for name in stage.fields if name not in determined}
+        runtime = with_values(stage_start, unfixed) if unfixed else stage_start
+    return tuple(runs.step_time_s(index, runtime) for index in fold.targets)

@@ -25,7 +25,7 @@ from megapipe.records import ClusterSpec, NodeGroup, ParallelSpec, RuntimeSpec, 
 from megapipe.schedules import ScheduleName
 from megapipe.validation.runs import PublishedRun
 
-__all__ = ["Resolved", "run_cluster", "resolve", "predict", "candidate_of"]
+__all__ = ["Resolved", "run_cluster", "resolve", "predict", "predict_step_s", "candidate_of"]
 
 _MAX_VIRTUAL = 16
 """Interleaving depths tried for a run that does not state its own (published runs go down to one layer per chunk)."""
@@ -84,13 +84,17 @@ def _fixed(run: PublishedRun) -> dict[str, object]:
     return fixed
 
 
-def _evaluate(evaluator: Evaluator, cand: Candidate) -> Plan:
+def _prepare(evaluator: Evaluator, cand: Candidate):
     """Megatron's default equal split; where the decoders cannot fill the stages equally (the run gave a
     layout with the embedding and loss in stages of their own), megapipe's optimal split stands in."""
     try:
-        return evaluator.evaluate(cand, method="equal", check_memory=False)
+        return evaluator.prepare(cand, method="equal", check_memory=False)
     except InfeasibleError:
-        return evaluator.evaluate(cand, method="optimal", check_memory=False)
+        return evaluator.prepare(cand, method="optimal", check_memory=False)
+
+
+def _evaluate(evaluator: Evaluator, cand: Candidate) -> Plan:
+    return evaluator.finish(_prepare(evaluator, cand))
 
 
 def _fits(run: PublishedRun, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec) -> bool:
@@ -142,9 +146,20 @@ def predict(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None 
 
     ``schedules`` caches the built (and lowered) schedule across calls, as a fit re-prices one run many times.
     """
+    evaluator, cand = _evaluator_of(resolved, cluster, schedules)
+    return _evaluate(evaluator, cand)
+
+
+def predict_step_s(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None) -> float:
+    """:func:`predict`'s step time alone, seconds (what a fit evaluates many times)."""
+    evaluator, cand = _evaluator_of(resolved, cluster, schedules)
+    return evaluator.step_time_s(_prepare(evaluator, cand))
+
+
+def _evaluator_of(resolved: Resolved, cluster: ClusterSpec, schedules: dict | None) -> tuple[Evaluator, Candidate]:
     evaluator = Evaluator(model=resolved.run.model, cluster=cluster, options=SearchOptions(ignore_memory_limit=True),
                           schedules=schedules)
     train = resolved.train
     if train.moe_load_imbalance is None and resolved.run.model.is_moe:  # dropless routing, imbalance not stated
         train = dataclasses.replace(train, moe_load_imbalance=cluster.runtime.moe_dropless_imbalance)
-    return _evaluate(evaluator, candidate_of(resolved.parallel, train))
+    return evaluator, candidate_of(resolved.parallel, train)
