@@ -268,7 +268,9 @@ class RuntimeSpec:
     """Collectives in training against nccl-tests' bus bandwidth (contention with compute and other groups)."""
     host_kernel_us: float = 5.0
     """CPU time per launched kernel in eager PyTorch with Transformer Engine (Python, dispatcher, launch):
-    :mod:`megapipe.cost.host`. 4-6 us is a bare cudaLaunchKernel's."""
+    :mod:`megapipe.cost.host`. 4-6 us is a bare cudaLaunchKernel's. For host CPUs host_kernel_us_by_cpu omits."""
+    host_kernel_us_by_cpu: tuple[tuple[str, float], ...] = ()
+    """(ClusterSpec.host_cpu, us) pairs: a Grace core runs the same Python at its own speed."""
     host_sync_us: float = 20.0
     """GPU idle per device-to-host sync: the copy's round trip, the host waking and the next launch."""
     step_time_intervals: tuple[tuple[str, float, float], ...] = ()
@@ -281,7 +283,8 @@ class RuntimeSpec:
     ways (docs/cost_model.md)."""
 
     def __post_init__(self) -> None:
-        for name in ("gemm_efficiency_by_architecture", "attention_efficiency_by_architecture"):
+        for name in ("gemm_efficiency_by_architecture", "attention_efficiency_by_architecture",
+                     "host_kernel_us_by_cpu"):
             pairs = dict(getattr(self, name))
             object.__setattr__(self, name, tuple(sorted((str(k), float(v)) for k, v in pairs.items())))
         object.__setattr__(self, "step_time_intervals", tuple(sorted(
@@ -292,6 +295,9 @@ class RuntimeSpec:
 
     def attention_scale(self, architecture: str) -> float:
         return dict(self.attention_efficiency_by_architecture).get(architecture, self.attention_efficiency_scale)
+
+    def host_kernel(self, cpu: str) -> float:
+        return dict(self.host_kernel_us_by_cpu).get(cpu, self.host_kernel_us)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -305,6 +311,9 @@ class ClusterSpec:
     """One group for a homogeneous cluster; several for a mixed one, in pipeline-placement order."""
     scale_up_gpus: int = 0
     """GPUs one ``intra_node`` (NVLink) domain joins; 0 means gpus_per_node. GB200 NVL72: 72 over 4-GPU trays."""
+    host_cpu: str = "x86"
+    """The CPU that launches the kernels: x86 (HGX/DGX nodes) or grace (GB200/GB300 superchips); the runtime's
+    host time per kernel depends on it (RuntimeSpec.host_kernel_us_by_cpu)."""
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
 
     @property

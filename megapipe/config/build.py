@@ -214,7 +214,8 @@ def _runtime_spec(node: DictConfig | None) -> RuntimeSpec:
     if bad:
         raise ConfigError(f"runtime.step_time_intervals{bad} must each be [low, high]; rerun megapipe validate")
     tables = {name: values.pop(name, None) or {} for name in ("gemm_efficiency_by_architecture",
-                                                              "attention_efficiency_by_architecture")}
+                                                              "attention_efficiency_by_architecture",
+                                                              "host_kernel_us_by_cpu")}
     scales = {f"{name}.{k}": v for name, table in tables.items() for k, v in table.items()}
     for key, value in {**values, **scales}.items():
         if key != "name" and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -250,7 +251,7 @@ def _cluster_spec(node: DictConfig, runtime: RuntimeSpec = RuntimeSpec()) -> Clu
         name=str(node.name), gpus_per_node=gpus_per_node,
         price_per_gpu_hour=float(node.price_per_gpu_hour),
         intra_node=links["intra_node"], inter_node=links["inter_node"], node_groups=groups,
-        scale_up_gpus=scale_up, runtime=runtime,
+        scale_up_gpus=scale_up, runtime=runtime, host_cpu=str(node.get("host_cpu") or "x86"),
     )
     check_cluster(cluster)
     return cluster

@@ -173,6 +173,8 @@ class ClusterConfig:
     """Mixed clusters: node groups in pipeline-placement order; empty for a homogeneous cluster."""
     scale_up_gpus: int = 0
     """GPUs one intra_node (NVLink) domain joins; 0 means gpus_per_node (GB200 NVL72: 72)."""
+    host_cpu: str = "x86"
+    """The CPU that launches the kernels: x86, or grace (GB200/GB300)."""
 
 
 @dataclass
@@ -193,6 +195,8 @@ class RuntimeConfig:
     comm_efficiency_scale: float = 1.0
     host_kernel_us: float = 5.0
     """CPU time per launched kernel (Python, PyTorch, Transformer Engine, the launch), microseconds."""
+    host_kernel_us_by_cpu: Dict[str, float] = field(default_factory=dict)
+    """host_kernel_us per host CPU (cluster.host_cpu: x86, grace)."""
     host_sync_us: float = 20.0
     """GPU idle per device-to-host sync, microseconds."""
     moe_dropless_imbalance: float = 1.0

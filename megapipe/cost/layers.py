@@ -248,11 +248,12 @@ def _host(shapes: Shapes, device: Device, timing: Timing, *, moe: bool) -> Timin
     """What the CPU adds: launches beyond the GPU's work, and the MoE layer's token-count sync (:mod:`megapipe.cost.host`)."""
     runtime, kernels = device.runtime, unit_kernels(shapes, moe=moe)
     captured = captured_scopes(shapes)
+    per_kernel = runtime.host_kernel(device.cluster.host_cpu)
     forward = exposed_host_ms(gpu_ms=timing.fwd_ms, launches=kernels.launches(captured, backward=False),
-                              syncs=syncs_per_forward(shapes, moe=moe), host_kernel_us=runtime.host_kernel_us,
+                              syncs=syncs_per_forward(shapes, moe=moe), host_kernel_us=per_kernel,
                               host_sync_us=runtime.host_sync_us)
     backward = exposed_host_ms(gpu_ms=timing.bwd_ms, launches=kernels.launches(captured, backward=True), syncs=0,
-                               host_kernel_us=runtime.host_kernel_us, host_sync_us=runtime.host_sync_us)
+                               host_kernel_us=per_kernel, host_sync_us=runtime.host_sync_us)
     return part("host", forward, backward)
 
 

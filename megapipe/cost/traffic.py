@@ -117,11 +117,12 @@ def _fp8_casts(shapes: Shapes, moe: bool) -> tuple[tuple[float, float], tuple[in
         if not gemm.quantized:
             continue
         tokens = gemm.tokens * (shapes.moe_load_imbalance if gemm.groups > 1 else 1.0)
+        # a grouped GEMM's input is quantized per expert (Transformer Engine splits it by m_splits first)
         if gemm.name not in fed:
             forward += tokens * gemm.k
-            forward_kernels += 1
+            forward_kernels += gemm.groups
         backward += tokens * gemm.n
-        backward_kernels += 1
+        backward_kernels += gemm.groups
     return (forward, backward), (forward_kernels, backward_kernels)
 
 

@@ -32,11 +32,12 @@ __all__ = ["FIT_FIELDS", "DEFAULT_FIT", "MOE_FIT", "with_values", "RunSet", "Fit
            "fit_runtime", "leave_one_out", "leave_one_source_out", "source_of", "stages_of", "staged_leave_one_out"]
 
 _TABLES = {"gemm_efficiency_scale": "gemm_efficiency_by_architecture",
-           "attention_efficiency_scale": "attention_efficiency_by_architecture"}
+           "attention_efficiency_scale": "attention_efficiency_by_architecture",
+           "host_kernel_us": "host_kernel_us_by_cpu"}
 FIT_FIELDS = ("gemm_efficiency_scale.ampere", "gemm_efficiency_scale.hopper", "gemm_efficiency_scale.blackwell",
               "attention_efficiency_scale.ampere", "attention_efficiency_scale.hopper",
               "attention_efficiency_scale.blackwell", "gemm_efficiency_scale", "attention_efficiency_scale",
-              "comm_efficiency_scale", "microbatch_overhead_ms", "step_overhead_ms", "host_kernel_us", "host_sync_us",
+              "comm_efficiency_scale", "microbatch_overhead_ms", "step_overhead_ms", "host_kernel_us", "host_kernel_us.grace", "host_sync_us",
               "moe_dropless_imbalance")
 """What can be fitted: ``<scale>.<architecture>`` is that generation's entry of the runtime's per-architecture
 table (RuntimeSpec.gemm_efficiency_by_architecture, attention_efficiency_by_architecture)."""
@@ -46,7 +47,7 @@ DEFAULT_FIT = ("gemm_efficiency_scale.ampere", "gemm_efficiency_scale.hopper", "
 (A100 runs spend ~2% in attention, too little to fix its scale), and the per-step overhead. The collectives keep
 nccl-tests' measured bus bandwidth (scale 1), and the per-microbatch overhead stays 0: the public runs do not
 determine it (a fit puts it at 0)."""
-MOE_FIT = ("host_kernel_us", "moe_dropless_imbalance")
+MOE_FIT = ("host_kernel_us", "host_kernel_us.grace", "moe_dropless_imbalance")
 """What the MoE runs fit, with the kernels' scales fixed by the dense runs: the host's time per launched kernel
 (which only a MoE layer's token-count sync exposes) and dropless routing's imbalance. Fitting the kernels' scales
 on MoE runs too would let whatever a MoE layer's model misses bend the constants every dense plan uses."""
@@ -106,9 +107,40 @@ def _start(runtime: RuntimeSpec, name: str) -> float:
     """Where a field starts its fit: its value, or off the kinks where it does not act yet (an overhead of 0, an
     imbalance of exactly 1, a host cost the GPU still hides), which a finite difference would read as no effect."""
     value = _value(runtime, name)
-    if name in _OVERHEAD_START and (not value or (name == "moe_dropless_imbalance" and value <= 1.0)):
+    if name.partition(".")[0] in ("host_kernel_us", "moe_dropless_imbalance"):  # they act only past a kink
+        return max(value, _OVERHEAD_START[name.partition(".")[0]])
+    if name in _OVERHEAD_START and not value:
         return _OVERHEAD_START[name]
     return value
+
+
+_KINKED_GRID = (0.5, 1.0, 2.0, 4.0)
+"""Multiples of a kinked field's start tried before the local fit: a host cost acts only once it exceeds the
+GPU's work, so where it starts hidden its finite difference is 0 and Levenberg-Marquardt would never move it."""
+
+
+_IMBALANCE_GRID = (1.05, 1.25, 1.5, 2.0)
+"""Dropless imbalances tried before the local fit (below 1 the random-routing spread takes over: no effect)."""
+
+
+def _coarse_start(residual, start: RuntimeSpec, fields: Sequence[str]) -> np.ndarray:
+    """The start with each kinked field (host costs, dropless imbalance) set to the best of a coarse grid."""
+    theta = _to_free(start, fields)
+    for position, name in enumerate(fields):
+        if name.partition(".")[0] not in ("host_kernel_us", "moe_dropless_imbalance"):
+            continue
+        best, best_cost = theta[position], None
+        grid = ([np.log(value) for value in _IMBALANCE_GRID] if name == "moe_dropless_imbalance"
+                else [theta[position] + np.log(factor) for factor in _KINKED_GRID])
+        for value in grid:
+            trial = theta.copy()
+            trial[position] = value
+            error = residual(trial)
+            cost = float(error @ error)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = trial[position], cost
+        theta[position] = best
+    return theta
 
 
 def _to_free(runtime: RuntimeSpec, fields: Sequence[str]) -> np.ndarray:
@@ -207,8 +239,8 @@ def fit_runtime(runs: RunSet, *, start: RuntimeSpec = RuntimeSpec(), fields: Seq
     if len(indices) < len(fields):
         raise ConfigError(f"{len(indices)} runs cannot fix {len(fields)} fields; give at least as many runs")
     residual = _residual(runs, start, fields, indices)
-    theta, iterations = levenberg_marquardt(residual, _to_free(start, fields), max_iter=max_iter, step=_STEP,
-                                            tolerance=1e-6)
+    theta, iterations = levenberg_marquardt(residual, _coarse_start(residual, start, fields), max_iter=max_iter,
+                                            step=_STEP, tolerance=1e-6)
     final = residual(theta)
     determined = identified(jacobian(residual, theta, final, step=_STEP), fields) if identify else tuple(fields)
     return Fitted(runtime=_from_free(start, fields, theta), identified=tuple(determined),

@@ -5,8 +5,8 @@ model on one GPU count matters more than the same error spread evenly. For every
 write-up, :func:`megapipe.validation.fit.source_of`) with two or more runs of one model on the same GPU
 type and count, the runs are ordered by throughput (tokens per second of the whole run: they share
 their GPUs), measured and predicted. Kendall's tau (Kendall 1938; tau-a: concordant minus discordant
-pairs over all pairs with distinct measured throughput) says how far the orders agree, and every
-inverted pair is listed.
+pairs over all pairs whose measured throughputs differ by more than 2%) says how far the orders agree, and every
+inverted pair is listed. Runs of one source at different sequence lengths are different jobs, grouped apart.
 
 Pure: rows in, records out.
 """
@@ -50,12 +50,17 @@ class RankingGroup:
         return not self.inverted
 
 
+TIE = 0.02
+"""Measured throughputs closer than this share are a tie: published re-measurements of one configuration differ
+by more (Megatron-LM's MoE recipes against their refresh, docs/validation.md)."""
+
+
 def kendall_tau(measured: Sequence[float], predicted: Sequence[float]) -> tuple[float, tuple[tuple[int, int], ...]]:
-    """(tau-a, discordant index pairs (i, j) with measured[i] > measured[j])."""
+    """(tau-a, discordant index pairs (i, j) with measured[i] > measured[j]); measured ties (:data:`TIE`) skipped."""
     concordant, discordant = 0, []
     counted = 0
     for i, j in combinations(range(len(measured)), 2):
-        if measured[i] == measured[j]:
+        if abs(measured[i] - measured[j]) <= TIE * max(measured[i], measured[j]):
             continue
         counted += 1
         high, low = (i, j) if measured[i] > measured[j] else (j, i)
@@ -82,9 +87,10 @@ def ranking_groups(rows: Sequence[Row], *, predicted: Callable[[Row], float | No
         if predicted(row) is None or row.resolved.run.step_only:
             continue
         run = row.resolved.run
-        groups.setdefault((source_of(row.resolved), run.model.name, run.cluster, run.num_gpus), []).append(row)
+        key = (source_of(row.resolved), run.model.name, run.cluster, run.num_gpus, row.resolved.train.seq_length)
+        groups.setdefault(key, []).append(row)
     out = []
-    for (source, model, cluster, gpus), members in sorted(groups.items()):
+    for (source, model, cluster, gpus, _), members in sorted(groups.items()):
         if len(members) < 2:
             continue
         members = sorted(members, key=lambda row: (-_tokens_per_s(row, row.measured_s), row.resolved.run.id))

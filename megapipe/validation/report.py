@@ -166,7 +166,8 @@ def runtime_summary(runtime: RuntimeSpec) -> str:
     return (f"GEMM scale {gemm or runtime.gemm_efficiency_scale}, attention scale "
             f"{attention or runtime.attention_efficiency_scale}, step overhead {runtime.step_overhead_ms:.1f} ms, "
             f"per-microbatch overhead {runtime.microbatch_overhead_ms:.3f} ms, collectives scale "
-            f"{runtime.comm_efficiency_scale:.3f}, host {runtime.host_kernel_us:.1f} us per kernel and "
+            f"{runtime.comm_efficiency_scale:.3f}, host {runtime.host_kernel_us:.1f} us per kernel ("
+            + ", ".join(f"{cpu} {value:.1f}" for cpu, value in runtime.host_kernel_us_by_cpu) + ") and "
             f"{runtime.host_sync_us:.0f} us per sync, dropless MoE imbalance {runtime.moe_dropless_imbalance:.2f}")
 
 
@@ -185,6 +186,8 @@ def runtime_yaml(runtime: RuntimeSpec, *, comment: str) -> str:
     lines.append(f"comm_efficiency_scale: {_number(runtime.comm_efficiency_scale)}")
     for key in ("host_kernel_us", "host_sync_us", "moe_dropless_imbalance"):
         lines.append(f"{key}: {_number(getattr(runtime, key))}")
+    lines.append("host_kernel_us_by_cpu:" + ("" if runtime.host_kernel_us_by_cpu else " {}"))
+    lines += [f"  {cpu}: {_number(value)}" for cpu, value in runtime.host_kernel_us_by_cpu]
     lines.append("step_time_intervals:" + ("" if runtime.step_time_intervals else " {}"))
     lines += [f"  {key}: [{_number(low)}, {_number(high)}]" for key, low, high in runtime.step_time_intervals]
     return "\n".join(lines) + "\n"
