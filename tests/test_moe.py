@@ -240,8 +240,11 @@ def test_dispatcher_buffers_scale_with_tokens_and_warn_past_the_reserve():
                        expert_model_parallel_size=8)
     one = dispatcher_transient_bytes(model=setup.model, parallel=par, train=TrainSpec(micro_batch_size=1, seq_length=4096))
     four = dispatcher_transient_bytes(model=setup.model, parallel=par, train=TrainSpec(micro_batch_size=4, seq_length=4096))
-    assert one == pytest.approx(2 * 4096 * 8 * 7168 * 2)  # send + receive of 4096 tokens x top-8, bf16
-    assert four == pytest.approx(4 * one)
+    from megapipe.cost.shapes import forced_balance_imbalance
+
+    spread = forced_balance_imbalance(assignments=4096 * 8, ranks=8)  # random routing's busiest of 8 ranks
+    assert one == pytest.approx(2 * 4096 * 8 * 7168 * 2 * spread)  # send + receive of 4096 tokens x top-8, bf16
+    assert four == pytest.approx(4 * one * forced_balance_imbalance(assignments=4 * 4096 * 8, ranks=8) / spread)
     assert dispatcher_transient_bytes(model=_model("llama3_8b"), parallel=ParallelSpec(), train=TrainSpec()) == 0.0
     quiet = plan_warnings(parallel=par, train=TrainSpec(), cluster=setup.cluster, bubble_fraction=0.1,
                           num_microbatches=8, dispatcher_bytes=one)
@@ -263,8 +266,12 @@ def test_load_imbalance_is_stated_and_slows_the_experts():
         return layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster, parallel=par,
                            train=train).layers[1]
 
+    from megapipe.records import TIME_PARTS
+
     balanced, skewed = moe_layer(1.0), moe_layer(1.5)
-    assert skewed.fwd_ms > balanced.fwd_ms and skewed.act_bytes > balanced.act_bytes
+    gemm = TIME_PARTS.index("gemm")  # a layer this small may wait on the host; its GEMMs do not
+    assert skewed.parts[gemm] > balanced.parts[gemm] and skewed.fwd_ms >= balanced.fwd_ms
+    assert skewed.act_bytes > balanced.act_bytes
     assert skewed.static_bytes == balanced.static_bytes
     with pytest.raises(ConfigError, match="moe_load_imbalance"):
         _setup("model=qwen3_30b_a3b", "train.moe_load_imbalance=0.5")
@@ -318,7 +325,8 @@ def _plan_dir(tmp_path, *overrides: str):
 def dsv3_dir(tmp_path_factory):
     return _plan_dir(tmp_path_factory.mktemp("dsv3"), "model=deepseek_v3", "cluster.num_nodes=32",
                      "train.global_batch_size=1024", "parallel.tensor_model_parallel_size=1",
-                     "parallel.pipeline_model_parallel_size=16", "parallel.expert_model_parallel_size=16")
+                     "parallel.pipeline_model_parallel_size=16", "parallel.expert_model_parallel_size=16",
+                     "parallel.moe_token_dispatcher_type=alltoall")  # a pinned feature stays as given
 
 
 def test_megatron_arguments_carry_the_experts_mla_and_mtp(dsv3_dir):

@@ -331,12 +331,20 @@ def test_equal_matches_megatron_uniform_split():
 
 
 def test_equal_remainder_goes_to_first_stages():
-    kinds = [e.kind for e in _megatron_profile(10)]
+    kinds = [e.kind for e in _megatron_profile(9)]
     bounds = equal_bounds(kinds, num_stages=4)
     counts = [kinds[bounds[c] : bounds[c + 1]].count(LayerKind.decoder) for c in range(4)]
-    assert counts == [3, 3, 2, 2]
+    assert counts == [3, 2, 2, 2]
+    # 10 layers + embedding + loss fill 4 stages equally: Megatron's account_for_embedding/loss_in_pipeline_split
+    kinds = [e.kind for e in _megatron_profile(10)]
+    bounds = equal_bounds(kinds, num_stages=4)
+    assert [kinds[bounds[c] : bounds[c + 1]].count(LayerKind.decoder) for c in range(4)] == [2, 3, 3, 2]
     mtp = kinds[:-1] + [LayerKind.mtp, LayerKind.loss]
     assert equal_bounds(mtp, num_stages=2)[1] == 6  # E + 5 t | 5 t, m, L
+    # 126 layers on PP16 x VP8: the first chunk holds only E, the last only L
+    kinds = [e.kind for e in _megatron_profile(126)]
+    bounds = equal_bounds(kinds, num_stages=128)
+    assert kinds[bounds[0]:bounds[1]] == [LayerKind.embedding] and kinds[bounds[-2]:bounds[-1]] == [LayerKind.loss]
 
 
 def _deepspeed_partition_balanced(weights, num_parts):

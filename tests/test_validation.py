@@ -12,7 +12,7 @@ from megapipe.config import compose, to_setup
 from megapipe.errors import ConfigError
 from megapipe.io import PUBLIC_RUNS, read_runs
 from megapipe.records import RuntimeSpec
-from megapipe.validation.fit import RunSet, fit_indices, fit_runtime, leave_one_out, with_values
+from megapipe.validation.fit import fit_stages, stages_of, RunSet, fit_indices, fit_runtime, leave_one_out, with_values
 from megapipe.validation.predict import predict, resolve, run_cluster
 from megapipe.validation.runs import RUNS_FORMAT, runs_from_document
 
@@ -163,9 +163,13 @@ def test_committed_runtime_is_the_fit_on_the_public_runs():
     clusters = _clusters(runs)
     committed = to_setup(compose([])).cluster.runtime
     resolved = [resolve(run, base) for run, base in zip(runs, clusters)]
-    fitted = fit_runtime(RunSet(resolved, clusters), start=committed, max_iter=3, indices=fit_indices(resolved))
+    fitted = fit_stages(RunSet(resolved, clusters), start=committed, stages=stages_of(resolved), max_iter=3)
     for arch, value in committed.gemm_efficiency_by_architecture:
-        assert fitted.runtime.gemm_scale(arch) == pytest.approx(value, rel=1e-2)
+        assert fitted.gemm_scale(arch) == pytest.approx(value, rel=1e-2)
     for arch, value in committed.attention_efficiency_by_architecture:
-        assert fitted.runtime.attention_scale(arch) == pytest.approx(value, rel=1e-2)
-    assert fitted.runtime.step_overhead_ms == pytest.approx(committed.step_overhead_ms, rel=1e-2)
+        assert fitted.attention_scale(arch) == pytest.approx(value, rel=1e-2)
+    assert fitted.step_overhead_ms == pytest.approx(committed.step_overhead_ms, rel=1e-2)
+    for cpu in ("x86", "grace"):  # the MoE stage: host time per kernel and dropless imbalance
+        assert fitted.host_kernel(cpu) == pytest.approx(committed.host_kernel(cpu), rel=2e-2)
+    assert fitted.moe_dropless_imbalance == pytest.approx(committed.moe_dropless_imbalance, rel=2e-2)
+    assert committed.step_time_intervals, "megapipe validate writes the leave-one-source-out intervals"

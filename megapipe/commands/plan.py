@@ -144,7 +144,7 @@ def _row(label: str, plan, *, moe: bool = False) -> list[str]:
     row = [label, shape, schedule, str(train.micro_batch_size), recompute]
     if moe:
         row.append(runtime_label(par.features))
-    return row + [format_interval(plan.step_time_s, plan.step_time_interval), f"{plan.tokens_per_s_per_gpu:,.0f}",
+    return row + [f"{plan.step_time_s:.3g}", f"{plan.tokens_per_s_per_gpu:,.0f}",
                   f"{plan.mfu:.1%}", f"{plan.bubble_fraction:.1%}", f"{peak:.1f}" + ("" if plan.feasible else "!"),
                   f"${plan.cost_per_million_tokens:.3f}"]
 
@@ -224,7 +224,9 @@ def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: 
     moe = model.is_moe
     row = lambda label, plan: _row(label, plan, moe=moe)  # noqa: E731
     columns = ["", "TP/PP/DP/CP/VP" + (" EP ETP" if moe else ""), "schedule", "mbs", "recompute"]
-    columns += (["MoE runtime"] if moe else []) + ["step (80% range)", "tok/s/GPU", "MFU", "bubble", "peak GiB",
+    interval = result.best.step_time_interval
+    step = "step s" + (f"\n{interval[0]:+.0%}/{interval[1]:+.0%}" if interval else "")
+    columns += (["MoE runtime"] if moe else []) + [step, "tok/s/GPU", "MFU", "bubble", "peak GiB",
                                                     "$/1M tok"]
     for name in columns:
         table.add_column(name, overflow="fold")
@@ -247,7 +249,11 @@ def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: 
                   "does not have", markup=False)
     out.print(f"layout: {best.layout}", markup=False)
     if best.breakdown:
-        out.print(f"step {best.step_time_s:.2f} s: {breakdown_line(best)}", markup=False, soft_wrap=True)
+        out.print(f"step {format_interval(best.step_time_s, best.step_time_interval)}: {breakdown_line(best)}",
+                  markup=False, soft_wrap=True)
+    if best.step_time_interval:
+        out.print("(the step's range: where 80% of published runs of its kind fell, held out by source, against "
+                  "their prediction; docs/validation.md)", markup=False)
     if moe:
         out.print(moe_assumptions(best, setup), markup=False, soft_wrap=True)
     for warning in best.warnings:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from itertools import groupby
 
 from megapipe.emit.quoting import cli_number
-from megapipe.records import ModelSpec, ParallelSpec, Recompute, TrainSpec
+from megapipe.records import ModelSpec, ParallelSpec, Recompute, RuntimeFeatures, TrainSpec
 
 __all__ = ["moe_layer_freq_expr", "moe_config", "expert_parallel_config", "megatron_moe_args", "feature_config",
            "overlap_config", "hybridep_env"]
@@ -125,8 +125,8 @@ def megatron_moe_args(model: ModelSpec, parallel: ParallelSpec, train: TrainSpec
 
 
 def feature_config(model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> dict[str, object]:
-    """TransformerConfig fields of the plan's runtime features; only what differs from Megatron's defaults,
-    the dispatcher always (for MoE models) and the recompute modules with selective recompute."""
+    """TransformerConfig fields of the plan's runtime features: only what differs from Megatron's defaults, and
+    the dispatcher always (for MoE models)."""
     features = parallel.features
     settings: dict[str, object] = {}
     if model.is_moe:
@@ -146,7 +146,8 @@ def feature_config(model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -
         settings["use_te_rng_tracker"] = True
         if full and model.is_moe and parallel.expert_model_parallel_size > 1:
             settings["moe_pad_experts_for_cuda_graph_inference"] = True
-    if Recompute(train.recompute_granularity) == Recompute.selective:
+    if (Recompute(train.recompute_granularity) == Recompute.selective
+            and features.recompute_modules != RuntimeFeatures().recompute_modules):
         settings["recompute_modules"] = list(features.recompute_modules)
     return settings
 

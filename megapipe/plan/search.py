@@ -144,17 +144,24 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tupl
     check_memory = not options.ignore_memory_limit
     min_scale = _min_time_scale(evaluator)
     steps: dict[tuple, float | None] = {}
+    memory: dict[tuple, bool] = {}
     classes = {name: item.bound_class for name, item in SPECS.items()}
+    dominated = _dominated_features(evaluator, space)
     out = []
     for index, point in enumerate(space.points):
+        if index in dominated:
+            pruned["features"] += 1
+            continue
         key = point[:4] + point[5:8] + point[11:14] + (classes[point.schedule], point.per_stage_recompute)  # all but VP
         step = steps.get(key, _UNSET)
         if step is _UNSET:
             cand = space.candidate(point)
-            if check_memory and evaluator.bounds.memory_bound_of(cand) > memory_cap:
-                step = None
-            else:
-                step = evaluator.bounds.bound(cand, min_time_scale=min_scale).step_ms
+            # the searched features change times, not what a rank holds: memory is decided once without them
+            memory_key = key[:-4] + key[-2:]
+            fits = memory.get(memory_key)
+            if fits is None:
+                fits = memory[memory_key] = not check_memory or evaluator.bounds.memory_bound_of(cand) <= memory_cap
+            step = evaluator.bounds.bound(cand, min_time_scale=min_scale).step_ms if fits else None
             steps[key] = step
         if step is None:
             pruned["memory"] += 1
@@ -165,6 +172,40 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tupl
 
 
 _UNSET = object()
+
+
+def _dominated_features(evaluator: Evaluator, space: Space) -> set[int]:
+    """Points whose runtime features another point of the same sizes beats on every unit: no slower forward,
+    backward or weight gradient anywhere, the same memory. A schedule's step never grows when a stage's work
+    shrinks, so such a point can never rank above the one that dominates it (ties keep the first)."""
+    groups: dict[tuple, list[int]] = {}
+    for index, point in enumerate(space.points):
+        groups.setdefault(point[:13], []).append(index)
+    runs: dict[tuple, tuple] = {}
+    out: set[int] = set()
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        vectors = []
+        for index in members:
+            cand = space.candidate(space.points[index])
+            key = cand.layer_key + (cand.parallel.data_parallel_size, cand.parallel.pipeline_model_parallel_size > 1)
+            found = runs.get(key)
+            if found is None:
+                units, _ = evaluator.costs.runs(cand)
+                found = runs[key] = tuple((unit.fwd_ms, unit.bwd_ms, unit.wgrad_ms, unit.static_bytes, unit.act_bytes)
+                                          for unit in units)
+            vectors.append(found)
+        for position, index in enumerate(members):
+            mine = vectors[position]
+            for other, theirs in enumerate(vectors):
+                if other == position or theirs == mine and other > position:
+                    continue
+                if all(t[0] <= m[0] and t[1] <= m[1] and t[2] <= m[2] and t[3] == m[3] and t[4] == m[4]
+                       for t, m in zip(theirs, mine)):
+                    out.add(index)
+                    break
+    return out
 
 
 def _min_time_scale(evaluator: Evaluator) -> float:
