@@ -32,7 +32,8 @@ commands: {', '.join(COMMANDS)}
   megapipe simulate schedule=all parallel.pipeline_model_parallel_size=8 train.num_microbatches=32
   megapipe report multirun/plan/DATE             gather a sweep's plans into one table
   megapipe profile model=tiny_gpt                measure per-layer costs with megatron-core
-  megapipe calibrate PROFILE [PROFILE ...]       fit the cost model's efficiency to measurements
+  megapipe calibrate RUN_DIR [RUN_DIR ...]       fit the runtime to monitored runs of your cluster (runtime=FILE)
+  megapipe calibrate PROFILE [PROFILE ...]       fit the cost model's GPU efficiency to profiles
   megapipe replan RUN_DIR                        re-partition from a monitored run
   megapipe validate [RUNS.yaml]                  predicted against measured step time of published runs
   megapipe pack                                  share a cluster between jobs: nodes, GPU type and plan per job
@@ -205,13 +206,15 @@ def _run_once(command: str, module, cfg, prepared, overrides: list[str]) -> None
 _FAILURES_ENV = "MEGAPIPE_SWEEP_FAILURES"
 
 
-def _task(command: str, module, multirun: bool):
+def _task(command: str, module, multirun: bool, runtime_path: str | None):
     def task(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
+        from megapipe.config import with_runtime_file
+
         directory = str(cfg.output.get("dir") or HydraConfig.get().runtime.output_dir)
         try:
-            module.run(module.prepare(cfg), directory=directory)
+            module.run(module.prepare(with_runtime_file(cfg, runtime_path)), directory=directory)
         except MegapipeError as exc:
             code = _fail(command, str(exc))
             if not multirun:
@@ -236,12 +239,17 @@ def _run_hydra(command: str, module, overrides: list[str], flags: list[str], mul
     """Hydra's own runner: sweeps with their launchers, and Hydra's flags (--cfg, --info, ...)."""
     import hydra
 
-    from megapipe.config import conf_dir, register_configs
+    from megapipe.config import conf_dir, register_configs, runtime_file
 
     import tempfile
 
+    try:
+        overrides, runtime_path = runtime_file(overrides)
+    except MegapipeError as exc:
+        return _fail(command, str(exc))
     register_configs()
-    app = hydra.main(config_path=conf_dir(), config_name="config", version_base=None)(_task(command, module, multirun))
+    app = hydra.main(config_path=conf_dir(), config_name="config", version_base=None)(
+        _task(command, module, multirun, runtime_path))
     saved = sys.argv
     sys.argv = [f"megapipe-{command}", *flags, *(["-m"] if multirun else []), f"hydra.job.name={command}", *overrides]
     ledger = tempfile.NamedTemporaryFile("r", prefix="megapipe-sweep-", suffix=".txt", delete=False)  # noqa: SIM115

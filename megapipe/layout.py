@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, ProfileError
 from megapipe.records import LayerKind
 
-__all__ = ["LETTER", "format_layout", "parse_layout", "mtp_problem", "mtp_standalone", "max_stages"]
+__all__ = ["LETTER", "format_layout", "parse_layout", "stage_entries", "mtp_problem", "mtp_standalone", "max_stages"]
 
 LETTER = {LayerKind.embedding: "E", LayerKind.decoder: "t", LayerKind.mtp: "m", LayerKind.loss: "L"}
 _KIND = {v: k for k, v in LETTER.items()}
@@ -105,3 +105,18 @@ def mtp_standalone(stage_kinds: Sequence[Sequence[LayerKind]], *, pipeline_model
     from the layout and builds them there without the loss)."""
     stages = _mtp_stages(stage_kinds)
     return bool(stages) and stages[0] % pipeline_model_parallel_size != pipeline_model_parallel_size - 1
+
+
+def stage_entries(profile, layout: str) -> tuple[int, ...]:
+    """A profile's entries (``profile.layers``, a :class:`~megapipe.records.Profile`) per stage of ``layout``;
+    raises ProfileError when the layout is not this profile's model."""
+    stages = parse_layout(layout)
+    kinds = [kind for stage in stages for kind in stage]
+    if kinds != [layer.kind for layer in profile.layers]:
+        spelled = "".join(LETTER[layer.kind] for layer in profile.layers)
+        raise ProfileError(
+            f"the run's layout {layout!r} ({len(kinds)} units) does not match the profile's units "
+            f"({spelled[:40]}{'...' if len(spelled) > 40 else ''}, {len(spelled)}); pass the profile the run was "
+            "planned with (profile=FILE)"
+        )
+    return tuple(len(stage) for stage in stages)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -133,3 +134,91 @@ def test_overlay_is_a_global_hydra_package_with_the_fitted_fields() -> None:
     assert set(values) == set(FIELDS)
     for name in FIELDS:
         assert values[name] == pytest.approx(getattr(TRUTH, name), rel=1e-5)
+
+
+# ------------------------------------------------------------------ monitored runs (calibrate RUN_DIR)
+
+RUN_CFG = ["model=tiny_gpt", "cluster=cpu_gloo", "model.num_layers=8", "parallel.tensor_model_parallel_size=1",
+           "parallel.pipeline_model_parallel_size=2", "parallel.context_parallel_size=1", "schedule=1f1b",
+           "train.micro_batch_size=2"]
+TRUE_RUNTIME = {"gemm_efficiency_scale.cpu": 0.4, "step_overhead_ms": 12.0}
+
+
+def _write_monitored(directory, *, layout: str, microbatches: int, runtime) -> None:
+    """Monitor logs of a 2-rank run whose stage and step times are the model's own under ``runtime``."""
+    from megapipe.monitor.jsonl import JsonlWriter
+    from megapipe.plan.replan import MeasuredRun
+    from megapipe.validation.fit import RunSet
+    from megapipe.validation.monitored import monitored_resolved
+
+    setup = _run_setup(microbatches)
+    placeholder = MeasuredRun(layout=layout, pipeline_model_parallel_size=2, stage_forward_ms=(1.0, 1.0),
+                              stage_backward_ms=(1.0, 1.0), step_time_ms=1.0)
+    runs = RunSet([monitored_resolved(name="truth", cluster=setup.cluster.name, model=setup.model,
+                                      parallel=setup.parallel, train=setup.train, gpus_per_node=2,
+                                      measured=placeholder)], [setup.cluster])
+    step_s, stage_ms = runs.times(0, runtime)
+    for rank in (0, 1):
+        writer = JsonlWriter(str(directory), rank=rank)
+        writer.write("start", 0, {"pipeline_rank": rank, "pipeline_model_parallel_size": 2, "layout": layout})
+        for step in range(1, 4):
+            writer.write("rank", step, {"pipeline_rank": rank, "num_microbatches": float(microbatches)})
+            if rank == 0:
+                writer.write("pipeline", step, {
+                    "layout": layout, "step_time_ms": step_s * 1e3, "stage_forward_ms": [t / 3 for t in stage_ms],
+                    "stage_backward_ms": [2 * t / 3 for t in stage_ms]})
+        writer.close()
+
+
+def _run_setup(microbatches: int):
+    from megapipe.config import compose, to_setup
+
+    return to_setup(compose([*RUN_CFG, f"train.global_batch_size={2 * microbatches}"]))
+
+
+def test_calibrate_run_dir_recovers_the_runtime_that_made_the_run(tmp_path, capsys):
+    from megapipe.cli import main
+    from megapipe.config import compose, runtime_of
+    from megapipe.validation.fit import with_values
+
+    truth = with_values(runtime_of(compose(RUN_CFG)), TRUE_RUNTIME)
+    _write_monitored(tmp_path / "run", layout="Et*4|t*4L", microbatches=4, runtime=truth)
+    out = tmp_path / "out"
+    assert main(["calibrate", str(tmp_path / "run"), *RUN_CFG, "train.global_batch_size=8",
+                 f"output.dir={out}", "output.format=json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    fitted = {field["name"]: field for field in result["fields"]}
+    assert fitted["gemm_efficiency_scale.cpu"]["fitted"] == pytest.approx(0.4, rel=0.02)
+    assert fitted["step_overhead_ms"]["fitted"] == pytest.approx(12.0, rel=0.05)
+    assert not fitted["attention_efficiency_scale.cpu"]["determined"]  # every stage mixes it with GEMMs alike
+    (run,) = result["runs"]
+    assert abs(run["before"]["step_error"]) > 0.3 and abs(run["after"]["step_error"]) < 1e-3
+    assert run["after"]["mean_abs_stage_error"] < 0.01
+    written = yaml.safe_load((out / "runtime.yaml").read_text())
+    assert written["gemm_efficiency_by_architecture"]["cpu"] == pytest.approx(0.4, rel=0.02)
+    assert written["name"] == "megatron_core_calibrated"
+    assert "defaults" in written and (out / "calibration.json").is_file()
+
+
+def test_calibrate_run_dir_errors_are_one_line_exit_2(tmp_path, capsys):
+    from megapipe.cli import main
+    from megapipe.monitor.jsonl import JsonlWriter
+
+    profile = tmp_path / "p.yaml"
+    profile.write_text("x: 1\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(["calibrate", str(run), str(profile), *RUN_CFG]) == 2
+    assert "both run directories and files" in capsys.readouterr().err
+    assert main(["calibrate", str(run), *RUN_CFG]) == 2
+    assert "no rank-*.jsonl" in capsys.readouterr().err
+    writer = JsonlWriter(str(run), rank=0)
+    writer.write("start", 0, {"pipeline_rank": 0, "pipeline_model_parallel_size": 2, "layout": "Et*4|t*4L"})
+    writer.write("pipeline", 1, {"layout": "Et*4|t*4L", "stage_forward_ms": [1.0, 1.0],
+                                 "stage_backward_ms": [2.0, 2.0]})
+    writer.close()
+    assert main(["calibrate", str(run), *RUN_CFG, "train.global_batch_size=8"]) == 2
+    err = capsys.readouterr().err
+    assert "has no step times" in err and len(err.strip().splitlines()) == 1
+    assert main(["plan", "runtime=missing/runtime.yaml"]) == 2
+    assert "is not a file" in capsys.readouterr().err

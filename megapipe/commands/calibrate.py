@@ -1,30 +1,75 @@
-"""``megapipe calibrate PROFILE [PROFILE ...]``: fit the cluster GPU's efficiency fields to measurements.
+"""``megapipe calibrate``: fit the cost model to measurements of the user's own cluster.
 
-The profiles (written by ``megapipe profile``) carry their shapes in meta; the prior is
-the selected cluster's GPU. Writes ``<output dir>/calibration/<gpu>.yaml``, a Hydra
-overlay used as::
+Two forms, by what the paths are:
+
+``megapipe calibrate RUN_DIR [RUN_DIR ...]``: monitored runs (the ``megapipe-monitor/1`` logs of a run with
+the training monitor attached, RUN_DIR or RUN_DIR/monitor, and its plan.yaml when it has one; without it the
+config gives the model, cluster and sizes, as for ``megapipe replan``). Each run is predicted as it ran (its
+layout, sizes and runtime features) and the runtime's in-training scales for its GPU's architecture (GEMM,
+attention) and the per-step overhead are fitted to its per-stage forward + backward times and step time
+(:mod:`megapipe.validation.monitored`), starting from the runtime in use (``runtime=``). Writes
+``runtime.yaml`` (a ``hydra_conf/runtime`` file: plan, pack and validate take it as ``runtime=FILE``) and
+``calibration.json``, and prints each run's error before and after.
+
+``megapipe calibrate PROFILE [PROFILE ...]``: profiles written by ``megapipe profile`` (shapes in their meta;
+the prior is the selected cluster's GPU). Fits the GPU's efficiency fields and writes
+``<output dir>/calibration/<gpu>.yaml``, a Hydra overlay used as::
 
     megapipe plan cluster=... hydra.searchpath=[file://<output dir>] +calibration=<gpu>
 
-(or pass the printed ``cluster.gpu.*=`` overrides), and ``calibration.json`` with the
-fitted values, the error before/after and, for two or more profiles, leave-one-out
-cross-validation.
+(or pass the printed ``cluster.gpu.*=`` overrides), and ``calibration.json`` with the fitted values, the
+error before/after and, for two or more profiles, leave-one-out cross-validation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megapipe.commands.common import console, print_json
-from megapipe.config import Setup, to_setup
+from megapipe.commands.common import MonitoredRun, console, print_json, read_monitored_run
+from megapipe.config import Setup, runtime_of, to_setup
+from megapipe.config.options import output_options
 from megapipe.cost.calibrate import FIELDS, cross_validate, fit_gpu, overlay_yaml, sample_from_profile
 from megapipe.errors import ConfigError, ProfileError
 from megapipe.io import atomic_write_text, load_profile
+from megapipe.records import RuntimeSpec
+from megapipe.validation.fit import RunSet
+from megapipe.validation.monitored import (
+    RunErrors,
+    calibrate_runs,
+    calibration_fields,
+    field_change,
+    monitored_resolved,
+)
+from megapipe.validation.report import runtime_yaml
 
-__all__ = ["prepare", "run"]
+__all__ = ["RunsJob", "prepare", "run"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunsJob:
+    """``calibrate RUN_DIR ...``: the monitored runs, read, and the runtime the fit starts from."""
+
+    runs: tuple[MonitoredRun, ...]
+    start: RuntimeSpec
+    json: bool
+
+
+def _inputs(cfg: DictConfig) -> list[str]:
+    paths = [path for path in str(cfg.get("input") or "").split(os.pathsep) if path]
+    if not paths:
+        raise ConfigError("no input given; run `megapipe calibrate RUN_DIR [RUN_DIR ...]` (monitored runs) or "
+                          "`megapipe calibrate PROFILE [PROFILE ...]` (megapipe profile's files)")
+    kinds = {os.path.isdir(path) for path in paths}
+    if len(kinds) > 1:
+        raise ConfigError(f"calibrate got both run directories and files ({', '.join(paths)}); give monitored "
+                          "run directories or profiles, not both")
+    return paths
 
 
 def _paths(setup: Setup) -> list[str]:
@@ -33,13 +78,25 @@ def _paths(setup: Setup) -> list[str]:
     return [path for path in str(setup.input).split(os.pathsep) if path]
 
 
-def prepare(cfg: DictConfig) -> Setup:
+def prepare(cfg: DictConfig) -> Setup | RunsJob:
+    paths = _inputs(cfg)
+    if os.path.isdir(paths[0]):
+        runs = tuple(read_monitored_run(cfg, command="calibrate", run_dir=path) for path in paths)
+        for item in runs:
+            if not math.isfinite(item.measured.step_time_ms):
+                raise ConfigError(f"the monitor log of {item.run_dir!r} has no step times; calibrate from a run "
+                                  "whose monitor logged its steps (attach_monitor, log_every)")
+        return RunsJob(runs=runs, start=runtime_of(cfg), json=output_options(cfg).json)
     setup = to_setup(cfg)
     _paths(setup)
     return setup
 
 
-def run(setup: Setup, *, directory: str) -> None:
+def run(job: Setup | RunsJob, *, directory: str) -> None:
+    if isinstance(job, RunsJob):
+        _run_monitored(job, directory=directory)
+        return
+    setup = job
     gpu = setup.cluster.gpu
     samples = []
     for path in _paths(setup):
@@ -101,3 +158,84 @@ def _print(result: dict, *, directory: str) -> None:
     out.print(f"use: hydra.searchpath=[file://{os.path.abspath(directory)}] +calibration={name}",
                   markup=False, soft_wrap=True)
     out.print("or:  " + " ".join(result["overrides"]), markup=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------------- monitored runs
+
+def _run_set(job: RunsJob) -> RunSet:
+    resolved, clusters = [], []
+    for item in job.runs:
+        setup = item.setup
+        resolved.append(monitored_resolved(
+            name=item.run_dir, cluster=setup.cluster.name, model=setup.model, parallel=setup.parallel,
+            train=setup.train, gpus_per_node=setup.cluster.gpus_per_node, measured=item.measured))
+        clusters.append(setup.cluster)
+    return RunSet(resolved, clusters)
+
+
+def _fields(job: RunsJob) -> tuple[str, ...]:
+    names: list[str] = []
+    for item in job.runs:
+        names += [name for name in calibration_fields(item.setup.cluster.gpu.architecture) if name not in names]
+    return tuple(names)
+
+
+def _errors_dict(errors: RunErrors) -> dict:
+    return {"predicted_step_ms": round(errors.predicted_step_ms, 6), "step_error": round(errors.step, 6),
+            "stage_errors": [round(value, 6) for value in errors.stages],
+            "mean_abs_stage_error": round(errors.mean_abs_stage, 6)}
+
+
+def _run_monitored(job: RunsJob, *, directory: str) -> None:
+    runs = _run_set(job)
+    calibration = calibrate_runs(runs, [item.measured for item in job.runs], start=job.start, fields=_fields(job))
+    fitted = dataclasses.replace(calibration.runtime, name=f"{job.start.name}_calibrated")
+    changes = field_change(calibration, job.start)
+    path = os.path.join(directory, "runtime.yaml")
+    atomic_write_text(path, runtime_yaml(fitted, comment=(
+        f"{job.start.name} calibrated by megapipe calibrate on {len(job.runs)} monitored run(s):\n"
+        + "\n".join(f"  {item.run_dir}" for item in job.runs) + "\n"
+        + "fitted: " + ", ".join(f"{name} {old:.4g} -> {new:.4g}" + ("" if determined else " (not determined: kept)")
+                                 for name, old, new, determined in changes)
+        + f"\nUse it with: megapipe plan runtime={path}")))
+    result = {
+        "runtime": path,
+        "start": job.start.name,
+        "fields": [{"name": name, "start": old, "fitted": new, "determined": determined}
+                   for name, old, new, determined in changes],
+        "runs": [
+            {"run_dir": item.run_dir, "layout": item.measured.layout, "gpu": item.setup.cluster.gpu.name,
+             "measured_step_ms": round(item.measured.step_time_ms, 6),
+             "measured_stage_compute_ms": [round(value, 6) for value in item.measured.stage_compute_ms],
+             "steps": item.measured.num_steps,
+             "before": _errors_dict(before), "after": _errors_dict(after)}
+            for item, before, after in zip(job.runs, calibration.before, calibration.after)
+        ],
+    }
+    atomic_write_text(os.path.join(directory, "calibration.json"), json.dumps(result, indent=2) + "\n")
+    if job.json:
+        print_json(result)
+        return
+    _print_monitored(result)
+
+
+def _print_monitored(result: dict) -> None:
+    from rich.table import Table
+
+    out = console()
+    table = Table(title=f"{result['start']} calibrated on {len(result['runs'])} monitored run(s)")
+    for column in ("run", "layout", "measured step", "step error before", "after",
+                   "stage |error| before", "after "):
+        table.add_column(column, justify="left" if column in ("run", "layout") else "right")
+    for item in result["runs"]:
+        before, after = item["before"], item["after"]
+        table.add_row(item["run_dir"], item["layout"], f"{item['measured_step_ms']:.1f} ms",
+                      f"{before['step_error']:+.1%}", f"{after['step_error']:+.1%}",
+                      f"{before['mean_abs_stage_error']:.1%}", f"{after['mean_abs_stage_error']:.1%}")
+    out.print(table)
+    for change in result["fields"]:
+        note = "" if change["determined"] else "  (these runs do not determine it: kept)"
+        out.print(f"  {change['name']}: {change['start']:.4g} -> {change['fitted']:.4g}{note}", markup=False)
+    out.print(f"runtime file: {result['runtime']}", markup=False, soft_wrap=True)
+    out.print(f"use: megapipe plan runtime={result['runtime']}  (pack and validate take it too)", markup=False,
+              soft_wrap=True)

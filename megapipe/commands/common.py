@@ -1,25 +1,36 @@
-"""What several commands share: the profile a setup is costed with, its stage specs and p2p cost, console output.
+"""What several commands share: the profile a setup is costed with, its stage specs and p2p cost, console output,
+and a monitored run's directory read (replan, calibrate).
 
 No command imports another; they all import this.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 import warnings
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
 
 from megapipe import cost
-from megapipe.config import Setup
-from megapipe.io import load_profile
+from megapipe.config import Setup, to_setup
+from megapipe.errors import ConfigError
+from megapipe.io import PLAN_FILE, load_profile, read_plan
+from megapipe.monitor.jsonl import read_monitor
+from megapipe.monitor.measured import measured_run
 from megapipe.placement import default_gpus, modelled_stage_specs
 from megapipe.profile.match import match_profile
+from megapipe.plan.replan import MeasuredRun
 from megapipe.records import GpuSpec, Partition, Profile, StageSpec
+from megapipe.schedules import megatron_schedule
 from megapipe.simulate import P2PCost, StageTimes
 from megapipe.simulate import inputs as simulate_inputs
 
 __all__ = ["matched_profile", "setup_profile", "setup_stage_specs", "stage_times", "pipeline_p2p", "print_json",
-           "console", "warn"]
+           "console", "warn", "MonitoredRun", "read_monitored_run"]
 
 _PIPED_WIDTH = 160
 """Columns when stdout is not a terminal: rich would fold tables into 80."""
@@ -90,3 +101,75 @@ def console(*, width: int | None = None, soft_wrap: bool = False):
     elif width:
         out = Console(soft_wrap=soft_wrap, width=max(out.width, width))
     return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MonitoredRun:
+    """A monitored run's directory, read once: its measurements, its plan.yaml when it has one, its setup."""
+
+    run_dir: str
+    setup: Setup
+    """The run's settings: plan.yaml's inputs and best plan, else the config with the log's pipeline sizes."""
+    measured: MeasuredRun
+    plan: dict | None
+    """The run's plan.yaml (megapipe-plan/1), when it has one."""
+
+
+def read_monitored_run(cfg: DictConfig, *, command: str, run_dir: str | None = None) -> MonitoredRun:
+    """RUN_DIR (``run_dir``, else ``input``): the monitor's logs (RUN_DIR or RUN_DIR/monitor), plan.yaml when
+    present, the setup."""
+    run_dir = run_dir or _run_dir(cfg, command)
+    plan = read_plan(run_dir) if os.path.isfile(os.path.join(run_dir, PLAN_FILE)) else None
+    measured = measured_run(read_monitor(run_dir), layout=plan["best"].get("layout") if plan else None)
+    setup = _plan_setup(plan) if plan is not None else _config_setup(cfg, measured)
+    _check_sizes(setup, measured, plan)
+    return MonitoredRun(run_dir=run_dir, setup=setup, measured=measured, plan=plan)
+
+
+def _run_dir(cfg: DictConfig, command: str) -> str:
+    path = cfg.get("input")
+    if not path:
+        raise ConfigError(f"{command} needs the monitored run's directory: megapipe {command} RUN_DIR [key=value ...]")
+    if not os.path.isdir(str(path)):
+        raise ConfigError(f"run directory {str(path)!r} does not exist; pass the directory the monitor logged into")
+    return str(path)
+
+
+def _plan_setup(plan: dict) -> Setup:
+    """The planned run's setup: the plan's recorded inputs, searched dimensions filled with its best plan's."""
+    best = plan["best"]
+    fill = {key: value for key, value in best["parallel"].items() if key != "data_parallel_size"}
+    fill.update({key: best["train"][key] for key in ("micro_batch_size", "recompute_granularity", "num_microbatches")})
+    fill["schedule"] = best["schedule"]
+    return to_setup(OmegaConf.create(plan.get("inputs") or {}), fill=fill)
+
+
+def _config_setup(cfg: DictConfig, measured: MeasuredRun) -> Setup:
+    """No plan.yaml: the config, with pipeline sizes and micro-batches the user left null taken from the log."""
+    pp = measured.pipeline_model_parallel_size
+    chunks = len(measured.stage_forward_ms) // pp
+    fill = {"pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": chunks,
+            "schedule": megatron_schedule(chunks), "num_microbatches": measured.num_microbatches}
+    setup = to_setup(cfg, fill=fill)
+    if cfg.train.num_microbatches is None and measured.num_microbatches:
+        # the emitted global batch must agree with the run's micro-batches
+        batch = setup.num_microbatches * setup.train.micro_batch_size * setup.parallel.data_parallel_size
+        setup = dataclasses.replace(setup, train=dataclasses.replace(setup.train, global_batch_size=batch))
+    return setup
+
+
+def _check_sizes(setup: Setup, measured: MeasuredRun, plan: dict | None) -> None:
+    par = setup.parallel
+    if plan is not None and plan["best"].get("layout") and plan["best"]["layout"] != measured.layout:
+        raise ConfigError(f"the monitor log is from layout {measured.layout!r} but plan.yaml planned "
+                          f"{plan['best']['layout']!r}; use the run that used the planned layout")
+    stages = par.pipeline_model_parallel_size * par.virtual_pipeline_model_parallel_size
+    stages_measured = len(measured.stage_forward_ms)
+    if measured.pipeline_model_parallel_size != par.pipeline_model_parallel_size or stages_measured != stages:
+        raise ConfigError(
+            f"the monitor log has {stages_measured} stages on {measured.pipeline_model_parallel_size} "
+            f"pipeline ranks but the config has pipeline_model_parallel_size={par.pipeline_model_parallel_size} x "
+            f"virtual_pipeline_model_parallel_size={par.virtual_pipeline_model_parallel_size}; set them to the run's"
+        )
+
+

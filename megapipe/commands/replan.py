@@ -16,26 +16,22 @@ the current layout stays (gain below ``search.min_gain``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from megapipe.commands.common import console, pipeline_p2p, print_json, setup_stage_specs
-from megapipe.config import OutputOptions, ReplanOptions, Setup, to_setup
+from megapipe.commands.common import console, pipeline_p2p, print_json, read_monitored_run, setup_stage_specs
+from megapipe.config import OutputOptions, ReplanOptions, Setup
 from megapipe.config.options import output_options, replan_options
 from megapipe.errors import ConfigError
-from megapipe.io import PLAN_FILE, atomic_write_text, dump_yaml, load_profile, read_plan, save_profile
+from megapipe.io import atomic_write_text, dump_yaml, load_profile, save_profile
 from megapipe.monitor.jsonl import FORMAT as MONITOR_FORMAT
-from megapipe.monitor.jsonl import read_monitor
-from megapipe.monitor.measured import measured_run
 from megapipe.placement import default_gpus, gpus_by_name
 from megapipe.plan.replan import MeasuredRun, Replan, replan
 from megapipe.profile.match import match_profile
 from megapipe.records import Profile
-from megapipe.schedules import megatron_schedule
 
 __all__ = ["ReplanJob", "prepare", "run", "result_dict"]
 
@@ -54,38 +50,6 @@ class ReplanJob:
     output: OutputOptions
 
 
-def _run_dir(cfg: DictConfig) -> str:
-    path = cfg.get("input")
-    if not path:
-        raise ConfigError("replan needs the monitored run's directory: megapipe replan RUN_DIR [key=value ...]")
-    if not os.path.isdir(str(path)):
-        raise ConfigError(f"run directory {str(path)!r} does not exist; pass the directory the monitor logged into")
-    return str(path)
-
-
-def _plan_setup(plan: dict) -> Setup:
-    """The planned run's setup: the plan's recorded inputs, searched dimensions filled with its best plan's."""
-    best = plan["best"]
-    fill = {key: value for key, value in best["parallel"].items() if key != "data_parallel_size"}
-    fill.update({key: best["train"][key] for key in ("micro_batch_size", "recompute_granularity", "num_microbatches")})
-    fill["schedule"] = best["schedule"]
-    return to_setup(OmegaConf.create(plan.get("inputs") or {}), fill=fill)
-
-
-def _config_setup(cfg: DictConfig, measured: MeasuredRun) -> Setup:
-    """No plan.yaml: the config, with pipeline sizes and micro-batches the user left null taken from the log."""
-    pp = measured.pipeline_model_parallel_size
-    chunks = len(measured.stage_forward_ms) // pp
-    fill = {"pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": chunks,
-            "schedule": megatron_schedule(chunks), "num_microbatches": measured.num_microbatches}
-    setup = to_setup(cfg, fill=fill)
-    if cfg.train.num_microbatches is None and measured.num_microbatches:
-        # the emitted global batch must agree with the run's micro-batches
-        batch = setup.num_microbatches * setup.train.micro_batch_size * setup.parallel.data_parallel_size
-        setup = dataclasses.replace(setup, train=dataclasses.replace(setup.train, global_batch_size=batch))
-    return setup
-
-
 def _profile(cfg: DictConfig, run_dir: str, setup: Setup) -> Profile:
     path = cfg.get("profile") or os.path.join(run_dir, "profile.yaml")
     if not os.path.isfile(path):
@@ -95,29 +59,10 @@ def _profile(cfg: DictConfig, run_dir: str, setup: Setup) -> Profile:
 
 def prepare(cfg: DictConfig) -> ReplanJob:
     """Read the run directory: monitor logs, plan.yaml when present, and the profile."""
-    run_dir = _run_dir(cfg)
     options = replan_options(cfg)
-    plan = read_plan(run_dir) if os.path.isfile(os.path.join(run_dir, PLAN_FILE)) else None
-    measured = measured_run(read_monitor(run_dir), layout=plan["best"].get("layout") if plan else None)
-    setup = _plan_setup(plan) if plan is not None else _config_setup(cfg, measured)
-    _check_sizes(setup, measured, plan)
-    return ReplanJob(run_dir=run_dir, setup=setup, measured=measured, plan=plan,
-                     profile=_profile(cfg, run_dir, setup), options=options, output=output_options(cfg))
-
-
-def _check_sizes(setup: Setup, measured: MeasuredRun, plan: dict | None) -> None:
-    par = setup.parallel
-    if plan is not None and plan["best"].get("layout") and plan["best"]["layout"] != measured.layout:
-        raise ConfigError(f"the monitor log is from layout {measured.layout!r} but plan.yaml planned "
-                          f"{plan['best']['layout']!r}; replan the run that used the planned layout")
-    stages = par.pipeline_model_parallel_size * par.virtual_pipeline_model_parallel_size
-    stages_measured = len(measured.stage_forward_ms)
-    if measured.pipeline_model_parallel_size != par.pipeline_model_parallel_size or stages_measured != stages:
-        raise ConfigError(
-            f"the monitor log has {stages_measured} stages on {measured.pipeline_model_parallel_size} "
-            f"pipeline ranks but the config has pipeline_model_parallel_size={par.pipeline_model_parallel_size} x "
-            f"virtual_pipeline_model_parallel_size={par.virtual_pipeline_model_parallel_size}; set them to the run's"
-        )
+    run = read_monitored_run(cfg, command="replan")
+    return ReplanJob(run_dir=run.run_dir, setup=run.setup, measured=run.measured, plan=run.plan,
+                     profile=_profile(cfg, run.run_dir, run.setup), options=options, output=output_options(cfg))
 
 
 def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, directory: str, gpus) -> dict:

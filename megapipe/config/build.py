@@ -61,7 +61,8 @@ from megapipe.records import (
 )
 from megapipe.schedules import SCHEDULE_NAMES, ScheduleName, spec
 
-__all__ = ["Setup", "conf_dir", "compose", "to_setup", "DEFAULT_FILL", "recorded_inputs"]
+__all__ = ["Setup", "conf_dir", "compose", "to_setup", "DEFAULT_FILL", "recorded_inputs", "runtime_file",
+           "runtime_of", "with_runtime_file"]
 
 DEFAULT_FILL = {
     "tensor_model_parallel_size": 4,
@@ -128,18 +129,62 @@ def conf_dir() -> str:
         return checkout
 
 
+_RUNTIME_OPTION = "megatron_core"
+"""The runtime group's option a ``runtime=FILE`` override stands on before the file replaces it."""
+
+
+def runtime_file(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], str | None]:
+    """``runtime=FILE`` (a runtime.yaml that ``megapipe validate`` or ``megapipe calibrate`` wrote, or any file of
+    ``hydra_conf/runtime``'s form): the overrides with the group's default option in its place, and the file."""
+    kept, path = [], None
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key.lstrip("+~") == "runtime" and (value.endswith((".yaml", ".yml")) or os.sep in value):
+            if "," in value:
+                raise ConfigError(f"runtime={value!r}: a runtime file cannot be swept; run one file at a time")
+            path = os.path.abspath(os.path.expanduser(value))
+            if not os.path.isfile(path):
+                raise ConfigError(f"runtime={value!r} is not a file; pass a runtime.yaml that megapipe validate "
+                                  f"or megapipe calibrate wrote, or an option of hydra_conf/runtime ({_RUNTIME_OPTION})")
+            kept.append(f"runtime={_RUNTIME_OPTION}")
+        else:
+            kept.append(override)
+    return kept, path
+
+
+def with_runtime_file(cfg: DictConfig, path: str | None) -> DictConfig:
+    """``cfg`` with its runtime node replaced by the file's (checked against the runtime schema)."""
+    if path is None:
+        return cfg
+    from megapipe.config.schema import RuntimeConfig
+
+    try:
+        loaded = OmegaConf.load(path)
+        loaded.pop("defaults", None)
+        node = OmegaConf.merge(OmegaConf.structured(RuntimeConfig), loaded)
+    except Exception as exc:  # omegaconf/yaml errors: unknown key, wrong type, not YAML
+        first = " ".join(str(exc).split("\n")[0].split())
+        raise ConfigError(f"runtime file {path!r} is not a runtime: {first}; pass a runtime.yaml that megapipe "
+                          "validate or megapipe calibrate wrote") from None
+    cfg.runtime = node
+    return cfg
+
+
 def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "config",
             return_hydra_config: bool = False) -> DictConfig:
-    """Compose the config as the CLI does; ``return_hydra_config`` keeps the ``hydra`` node (run dir, job name)."""
+    """Compose the config as the CLI does; ``return_hydra_config`` keeps the ``hydra`` node (run dir, job name).
+    ``runtime=FILE`` takes the runtime from that file (:func:`runtime_file`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    overrides, path = runtime_file(overrides)
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides),
-                             return_hydra_config=return_hydra_config)
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides),
+                            return_hydra_config=return_hydra_config)
+    return with_runtime_file(cfg, path)
 
 
 _NO_DEFAULT = object()
@@ -202,6 +247,11 @@ def _gpu_spec(node: DictConfig, where: str) -> GpuSpec:
     spec = GpuSpec(**OmegaConf.to_container(node, resolve=True))
     check_gpu(spec, where)
     return spec
+
+
+def runtime_of(cfg: DictConfig) -> RuntimeSpec:
+    """The config's runtime record (``runtime=``), on its own."""
+    return _runtime_spec(cfg.get("runtime"))
 
 
 def _runtime_spec(node: DictConfig | None) -> RuntimeSpec:

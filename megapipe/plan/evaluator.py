@@ -29,6 +29,7 @@ from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
 from megapipe.cost.memory import dispatcher_transient_bytes
 from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec, Partition, Profile, StageSpec
+from megapipe.layout import stage_entries
 from megapipe.simulate import StageTimes, p2p_cost, simulate, stage_times
 from megapipe.simulate.engine import step_time_ms as simulate_step_ms
 
@@ -90,7 +91,13 @@ class Evaluator:
         return found
 
     def partition(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
-                  check_memory: bool = True) -> Partition:
+                  check_memory: bool = True, layout: str = "") -> Partition:
+        """The solver's split by ``method``, or ``layout``'s (a pipeline_model_parallel_layout) as given."""
+        if layout:
+            profile = self.costs.profile(cand)
+            return partition.given_split(profile, list(self.costs.stage_specs(cand, gpus)),
+                                         entries_per_stage=stage_entries(profile, layout),
+                                         num_microbatches=cand.num_microbatches, schedule=cand.schedule)
         return partition.solve(
             self.costs.profile(cand), list(self.costs.stage_specs(cand, gpus)), num_microbatches=cand.num_microbatches,
             schedule=cand.schedule, virtual_pipeline_model_parallel_size=cand.parallel.virtual_pipeline_model_parallel_size,
@@ -99,7 +106,7 @@ class Evaluator:
         )
 
     def prepare(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
-                check_memory: bool | None = None) -> Prepared:
+                check_memory: bool | None = None, layout: str = "") -> Prepared:
         """Partition one candidate and price what does not need the simulation; raises InfeasibleError.
 
         ``check_memory`` None follows ``search.ignore_memory_limit``; False keeps a split that does
@@ -113,7 +120,7 @@ class Evaluator:
         if cand.per_stage_recompute:
             part, layers, choices = per_stage_partition(self.costs, cand, specs, check_memory=check_memory)
         else:
-            part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory)
+            part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory, layout=layout)
             layers, choices = self.costs.profile(cand).layers, ()
         times = stage_times(layers=layers, entries_per_stage=part.entries_per_stage, stage_to_rank=part.stage_to_rank,
                             specs=specs)

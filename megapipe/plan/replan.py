@@ -33,8 +33,8 @@ import numpy as np
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megapipe.errors import ConfigError, ProfileError
-from megapipe.layout import LETTER, parse_layout
+from megapipe.errors import ConfigError
+from megapipe.layout import stage_entries
 from megapipe.partition import given_split, solve
 from megapipe.records import LayerCost, Partition, Profile, StageSpec
 from megapipe.schedules import build, spec
@@ -103,20 +103,6 @@ class Replan:
 
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def stage_entries(profile: Profile, layout: str) -> tuple[int, ...]:
-    """Profile entries per layout stage; raises ProfileError when the layout is not this profile's model."""
-    stages = parse_layout(layout)
-    kinds = [kind for stage in stages for kind in stage]
-    if kinds != [layer.kind for layer in profile.layers]:
-        spelled = "".join(LETTER[layer.kind] for layer in profile.layers)
-        raise ProfileError(
-            f"the run's layout {layout!r} ({len(kinds)} units) does not match the profile's units "
-            f"({spelled[:40]}{'...' if len(spelled) > 40 else ''}, {len(spelled)}); pass the profile the run was "
-            "planned with (profile=FILE)"
-        )
-    return tuple(len(stage) for stage in stages)
 
 
 def _spread(layers: Sequence[LayerCost], attr: str, target: float) -> list[float]:

@@ -26,10 +26,10 @@ from megapipe.errors import ConfigError
 from megapipe.least_squares import identified, jacobian, kept_directions, levenberg_marquardt
 from megapipe.plan.plans import Plan
 from megapipe.records import ClusterSpec, RuntimeSpec
-from megapipe.validation.predict import Resolved, predict, predict_step_s, run_cluster
+from megapipe.validation.predict import Resolved, predict, predict_step_s, predict_times, run_cluster
 
-__all__ = ["FIT_FIELDS", "DEFAULT_FIT", "MOE_FIT", "with_values", "RunSet", "Fitted", "Stage", "fit_stages",
-           "fit_runtime", "leave_one_out", "leave_one_source_out", "source_of", "stages_of", "staged_leave_one_out"]
+__all__ = ["FIT_FIELDS", "DEFAULT_FIT", "MOE_FIT", "with_values", "field_value", "RunSet", "Fitted", "Stage",
+           "fit_stages", "fit_residual", "fit_runtime", "leave_one_out", "leave_one_source_out", "source_of", "stages_of", "staged_leave_one_out"]
 
 _TABLES = {"gemm_efficiency_scale": "gemm_efficiency_by_architecture",
            "attention_efficiency_scale": "attention_efficiency_by_architecture",
@@ -80,6 +80,11 @@ class RunSet:
         run = self.resolved[index]
         return predict_step_s(run, run_cluster(run.run, self.clusters[index], runtime), schedules=self._schedules[index])
 
+    def times(self, index: int, runtime: RuntimeSpec) -> tuple[float, tuple[float, ...]]:
+        """(step time s, each layout stage's forward + backward per microbatch ms)."""
+        run = self.resolved[index]
+        return predict_times(run, run_cluster(run.run, self.clusters[index], runtime), schedules=self._schedules[index])
+
     def step_times(self, runtime: RuntimeSpec, indices: Sequence[int]) -> np.ndarray:
         return np.array([self.step_time_s(index, runtime) for index in indices])
 
@@ -96,7 +101,14 @@ class Fitted:
     iterations: int
 
 
-def _value(runtime: RuntimeSpec, name: str) -> float:
+def _known(name: str) -> bool:
+    """A FIT_FIELDS name, or ``<scale>.<architecture>`` / ``host_kernel_us.<cpu>`` of a generation they lack."""
+    scale, _, key = name.partition(".")
+    return name in FIT_FIELDS or (bool(key) and scale in _TABLES)
+
+
+def field_value(runtime: RuntimeSpec, name: str) -> float:
+    """The value of a fit field (FIT_FIELDS spelling) in ``runtime``."""
     scale, _, architecture = name.partition(".")
     if architecture:
         return dict(getattr(runtime, _TABLES[scale])).get(architecture, getattr(runtime, scale))
@@ -106,7 +118,7 @@ def _value(runtime: RuntimeSpec, name: str) -> float:
 def _start(runtime: RuntimeSpec, name: str) -> float:
     """Where a field starts its fit: its value, or off the kinks where it does not act yet (an overhead of 0, an
     imbalance of exactly 1, a host cost the GPU still hides), which a finite difference would read as no effect."""
-    value = _value(runtime, name)
+    value = field_value(runtime, name)
     if name.partition(".")[0] in ("host_kernel_us", "moe_dropless_imbalance"):  # they act only past a kink
         return max(value, _OVERHEAD_START[name.partition(".")[0]])
     if name in _OVERHEAD_START and not value:
@@ -199,12 +211,12 @@ def fit_stages(runs: RunSet, *, start: RuntimeSpec, stages: Sequence[Stage], max
     for stage in stages:
         if not stage.fields or len(stage.indices) < len(stage.fields):
             if neutral is not None:
-                runtime = with_values(runtime, {name: _value(neutral, name) for name in stage.fields})
+                runtime = with_values(runtime, {name: field_value(neutral, name) for name in stage.fields})
             continue
         result = fit_runtime(runs, start=runtime, fields=stage.fields, indices=stage.indices, max_iter=max_iter)
         runtime = result.runtime
         if neutral is not None:
-            unfixed = {name: _value(neutral, name) for name in stage.fields if name not in result.identified}
+            unfixed = {name: field_value(neutral, name) for name in stage.fields if name not in result.identified}
             runtime = with_values(runtime, unfixed) if unfixed else runtime
     return runtime
 
@@ -229,22 +241,33 @@ def fit_indices(resolved: Sequence[Resolved]) -> tuple[int, ...]:
     return tuple(index for index, item in enumerate(resolved) if item.run.fit and not item.run.model.not_modelled)
 
 
-def fit_runtime(runs: RunSet, *, start: RuntimeSpec = RuntimeSpec(), fields: Sequence[str] = DEFAULT_FIT,
-                indices: Sequence[int] | None = None, max_iter: int = 30, identify: bool = True) -> Fitted:
-    """The runtime that best predicts the runs at ``indices`` (all by default), starting from ``start``."""
-    unknown = [name for name in fields if name not in FIT_FIELDS]
+def fit_residual(residual_of: Callable[[RuntimeSpec], np.ndarray], *, start: RuntimeSpec, fields: Sequence[str],
+                 max_iter: int = 30, identify: bool = True) -> Fitted:
+    """``start`` with ``fields`` set to minimise ``|residual_of(runtime)|^2`` (log errors of whatever was measured)."""
+    unknown = [name for name in fields if not _known(name)]
     if unknown:
         raise ConfigError(f"cannot fit {unknown}; fit a subset of {list(FIT_FIELDS)}")
-    indices = tuple(range(len(runs))) if indices is None else tuple(indices)
-    if len(indices) < len(fields):
-        raise ConfigError(f"{len(indices)} runs cannot fix {len(fields)} fields; give at least as many runs")
-    residual = _residual(runs, start, fields, indices)
+
+    def residual(theta: np.ndarray) -> np.ndarray:
+        return residual_of(_from_free(start, fields, theta))
+
     theta, iterations = levenberg_marquardt(residual, _coarse_start(residual, start, fields), max_iter=max_iter,
                                             step=_STEP, tolerance=1e-6)
     final = residual(theta)
     determined = identified(jacobian(residual, theta, final, step=_STEP), fields) if identify else tuple(fields)
     return Fitted(runtime=_from_free(start, fields, theta), identified=tuple(determined),
                   rms_log_error=float(np.sqrt(np.mean(final**2))), iterations=iterations)
+
+
+def fit_runtime(runs: RunSet, *, start: RuntimeSpec = RuntimeSpec(), fields: Sequence[str] = DEFAULT_FIT,
+                indices: Sequence[int] | None = None, max_iter: int = 30, identify: bool = True) -> Fitted:
+    """The runtime that best predicts the step times of the runs at ``indices`` (all by default), from ``start``."""
+    indices = tuple(range(len(runs))) if indices is None else tuple(indices)
+    if len(indices) < len(fields):
+        raise ConfigError(f"{len(indices)} runs cannot fix {len(fields)} fields; give at least as many runs")
+    measured = np.log(runs.measured(indices))
+    return fit_residual(lambda runtime: np.log(runs.step_times(runtime, indices)) - measured, start=start,
+                        fields=fields, max_iter=max_iter, identify=identify)
 
 
 def leave_one_out(runs: RunSet, *, start: RuntimeSpec, fields: Sequence[str] = DEFAULT_FIT, max_iter: int = 0,
@@ -357,7 +380,7 @@ def _source_fold_prediction(runs: RunSet, fold: _SourceFold) -> tuple[float, ...
     full = {stage.name: stage for stage in fold.full}
     for stage in fold.stages:
         if len(stage.indices) < len(stage.fields) or stage.name not in fold.jacobians:
-            runtime = with_values(runtime, {name: _value(fold.neutral, name) for name in stage.fields})
+            runtime = with_values(runtime, {name: field_value(fold.neutral, name) for name in stage.fields})
             continue
         theta, base, matrix = fold.jacobians[stage.name]
         rows = [row for row, index in enumerate(full[stage.name].indices) if index in set(stage.indices)]
@@ -368,6 +391,6 @@ def _source_fold_prediction(runs: RunSet, fold: _SourceFold) -> tuple[float, ...
         if fold.max_iter:
             stage_start = fit_runtime(runs, start=stage_start, fields=stage.fields, indices=stage.indices,
                                       max_iter=fold.max_iter, identify=False).runtime
-        unfixed = {name: _value(fold.neutral, name) for name in stage.fields if name not in determined}
+        unfixed = {name: field_value(fold.neutral, name) for name in stage.fields if name not in determined}
         runtime = with_values(stage_start, unfixed) if unfixed else stage_start
     return tuple(runs.step_time_s(index, runtime) for index in fold.targets)

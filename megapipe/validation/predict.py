@@ -25,7 +25,7 @@ from megapipe.records import ClusterSpec, NodeGroup, ParallelSpec, RuntimeSpec, 
 from megapipe.schedules import ScheduleName
 from megapipe.validation.runs import PublishedRun
 
-__all__ = ["Resolved", "run_cluster", "resolve", "predict", "predict_step_s", "candidate_of"]
+__all__ = ["Resolved", "run_cluster", "resolve", "predict", "predict_step_s", "predict_times", "candidate_of"]
 
 _MAX_VIRTUAL = 16
 """Interleaving depths tried for a run that does not state its own (published runs go down to one layer per chunk)."""
@@ -42,6 +42,8 @@ class Resolved:
     """The unstated settings and the values the planner chose for them."""
     fits: bool = True
     """Whether megapipe's memory model says the run, as resolved, fits its GPUs."""
+    layout: str = ""
+    """The run's own pipeline_model_parallel_layout (a monitored run); empty: Megatron's default equal split."""
 
 
 def run_cluster(run: PublishedRun, base: ClusterSpec, runtime: RuntimeSpec | None = None) -> ClusterSpec:
@@ -84,17 +86,20 @@ def _fixed(run: PublishedRun) -> dict[str, object]:
     return fixed
 
 
-def _prepare(evaluator: Evaluator, cand: Candidate):
-    """Megatron's default equal split; where the decoders cannot fill the stages equally (the run gave a
-    layout with the embedding and loss in stages of their own), megapipe's optimal split stands in."""
+def _prepare(evaluator: Evaluator, cand: Candidate, layout: str = ""):
+    """The run's own layout when it has one; else Megatron's default equal split, and where the decoders cannot
+    fill the stages equally (the run gave a layout with the embedding and loss in stages of their own),
+    megapipe's optimal split stands in."""
+    if layout:
+        return evaluator.prepare(cand, layout=layout, check_memory=False)
     try:
         return evaluator.prepare(cand, method="equal", check_memory=False)
     except InfeasibleError:
         return evaluator.prepare(cand, method="optimal", check_memory=False)
 
 
-def _evaluate(evaluator: Evaluator, cand: Candidate) -> Plan:
-    return evaluator.finish(_prepare(evaluator, cand))
+def _evaluate(evaluator: Evaluator, cand: Candidate, layout: str = "") -> Plan:
+    return evaluator.finish(_prepare(evaluator, cand, layout))
 
 
 def _fits(run: PublishedRun, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec) -> bool:
@@ -147,13 +152,23 @@ def predict(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None 
     ``schedules`` caches the built (and lowered) schedule across calls, as a fit re-prices one run many times.
     """
     evaluator, cand = _evaluator_of(resolved, cluster, schedules)
-    return _evaluate(evaluator, cand)
+    return _evaluate(evaluator, cand, resolved.layout)
 
 
 def predict_step_s(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None) -> float:
     """:func:`predict`'s step time alone, seconds (what a fit evaluates many times)."""
     evaluator, cand = _evaluator_of(resolved, cluster, schedules)
-    return evaluator.step_time_s(_prepare(evaluator, cand))
+    return evaluator.step_time_s(_prepare(evaluator, cand, resolved.layout))
+
+
+def predict_times(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None
+                  ) -> tuple[float, tuple[float, ...]]:
+    """(step time s, each layout stage's forward + backward per microbatch ms, framework time included):
+    what a monitored run measures."""
+    evaluator, cand = _evaluator_of(resolved, cluster, schedules)
+    prepared = _prepare(evaluator, cand, resolved.layout)
+    times = prepared.times
+    return evaluator.step_time_s(prepared), tuple(f + b for f, b in zip(times.fwd_ms, times.bwd_ms))
 
 
 def _evaluator_of(resolved: Resolved, cluster: ClusterSpec, schedules: dict | None) -> tuple[Evaluator, Candidate]:
