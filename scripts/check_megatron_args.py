@@ -14,6 +14,8 @@ It adds only a tokenizer (``--tokenizer-type NullTokenizer`` with the plan's voc
 ``--no-rope-fusion`` when Transformer Engine is absent (Megatron refuses RoPE fusion without it;
 the flag picks a kernel, not the model). It exports the plan's environment (``megatron_env``:
 CUDA_DEVICE_MAX_CONNECTIONS) and WORLD_SIZE / RANK for the plan's GPU count. In-process shims, printed:
+without Transformer Engine here, Megatron's TE version checks see ``--te-version`` (default 2.12.0, the most
+megapipe's plans state their features need) and moe_utils gets placeholders for TE's fused MoE kernels;
 ``get_device_arch_version`` returns the plan's GPU generation (it asks CUDA otherwise), and on
 Python 3.11 ``typing.override`` is the identity (core_v0.19+ needs Python 3.12).
 
@@ -124,6 +126,31 @@ def install_shims(checkout: str) -> list[str]:
     return done
 
 
+TE_FUSED_MOE = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                "fused_sort_chunks_by_index_with_probs", "fused_unpermute", "fused_topk_with_score_function",
+                "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss")
+"""Transformer Engine's fused MoE kernels that megatron-core's moe_utils imports when TE is present."""
+
+
+def patch_te(te_version: str) -> list[str]:
+    """Without Transformer Engine here: Megatron's TE version checks see ``te_version`` (what the plan's warnings
+    say it needs) and moe_utils gets placeholders for TE's fused MoE kernels, so --moe-permute-fusion and
+    --moe-router-fusion are judged as on a machine with that TE. Nothing is run, so no kernel is called."""
+    from packaging.version import Version
+
+    import megatron.core.utils as core_utils
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    core_utils._te_version = Version(te_version)
+    done = [f"megatron.core.utils._te_version := {te_version} (Transformer Engine absent here)"]
+    stubbed = [name for name in TE_FUSED_MOE if getattr(moe_utils, name, None) is None]
+    for name in stubbed:
+        setattr(moe_utils, name, lambda *args, **kwargs: None)
+    if stubbed:
+        done.append(f"moe_utils.{{{', '.join(stubbed)}}} := placeholders (TE's fused MoE kernels)")
+    return done
+
+
 def patch_arch(arguments_module, device_arch: int) -> str:
     arguments_module.get_device_arch_version = lambda: device_arch
     return f"megatron.training.arguments.get_device_arch_version := lambda: {device_arch}"
@@ -191,6 +218,10 @@ CONFIG_FIELDS = [
     "num_layers_in_last_pipeline_stage", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split", "tp_comm_overlap", "gradient_accumulation_fusion",
     "batch_p2p_comm", "deallocate_pipeline_outputs",
+    # runtime features
+    "moe_flex_dispatcher_backend", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
+    "moe_shared_expert_overlap", "moe_permute_fusion", "moe_router_fusion", "moe_router_force_load_balancing",
+    "moe_router_padding_for_quantization", "cuda_graph_impl", "cuda_graph_scope", "cuda_graph_modules",
     # precision
     "fp16", "bf16", "params_dtype", "pipeline_dtype", "fp8", "fp8_recipe", "fp8_margin",
     "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "fp8_param",
@@ -220,7 +251,8 @@ ARGS_FIELDS = [
 
 
 def run(checkout: str, tokens: list[str], *, vocab_size: int, world_size: int | None, dp: int,
-        device_arch: int, max_connections: str, extra: list[str], add: bool = True) -> dict:
+        device_arch: int, max_connections: str, extra: list[str], add: bool = True,
+        te_version: str = "2.12.0") -> dict:
     checkout = os.path.abspath(checkout)
     tp = int(flag_value(tokens, "--tensor-model-parallel-size", 1))
     pp = int(flag_value(tokens, "--pipeline-model-parallel-size", 1))
@@ -253,6 +285,8 @@ def run(checkout: str, tokens: list[str], *, vocab_size: int, world_size: int | 
     report["megatron_core_file"] = os.path.dirname(megatron.core.__file__)
     report["megatron_core_version"] = getattr(megatron.core, "__version__", None)
     report["shims"].append(patch_arch(A, device_arch))
+    if not have_te():
+        report["shims"] += patch_te(te_version)
     if has_flag(tokens, "--moe-grouped-gemm"):  # validate_args asks CUDA for the GPU's compute capability
         import torch
 
@@ -377,7 +411,28 @@ def _expected_moe(model: dict, par: dict) -> dict:
             expert_tensor_parallel_size=par["expert_tensor_parallel_size"],
             moe_token_dispatcher_type=par["moe_token_dispatcher_type"], moe_grouped_gemm=True,
         )
+        out.update({key: par[key] for key in FEATURE_FIELDS if key in par})
+        if par.get("moe_token_dispatcher_type") != "flex":
+            out.pop("moe_flex_dispatcher_backend", None)  # unused by the other dispatchers
+    if par.get("cuda_graph_impl", "none") != "none":
+        out.update(cuda_graph_impl=par["cuda_graph_impl"], cuda_graph_scope=list(par.get("cuda_graph_scope") or []))
     return out
+
+
+FEATURE_FIELDS = ("moe_flex_dispatcher_backend", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
+                  "moe_shared_expert_overlap", "moe_permute_fusion", "moe_router_fusion",
+                  "moe_router_force_load_balancing", "moe_router_padding_for_quantization")
+"""plan.yaml's runtime features that TransformerConfig carries under the same name."""
+
+
+def _plain(value):
+    """A TransformerConfig value (as :func:`jsonable` wrote it) in plan.yaml's terms: enums by member name
+    (``CudaGraphScope.attn`` -> ``attn``), lists of them as lists of names."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, str) and "." in value and value[:1].isupper() and value.count(".") == 1:
+        return value.split(".")[1]
+    return value
 
 
 def _compare(report: dict, expected: dict) -> list[str]:
@@ -388,7 +443,9 @@ def _compare(report: dict, expected: dict) -> list[str]:
     got["gated_linear_unit"] = bool(got.get("gated_linear_unit"))
     differ = []
     for key, want in expected.items():
-        have = got.get(key)
+        have = _plain(got.get(key))
+        if key == "cuda_graph_scope" and have is None:
+            have = _plain(got.get("cuda_graph_modules"))  # its name from megatron-core 0.19
         if isinstance(want, float) or isinstance(have, float):
             same = have is not None and abs(float(have) - float(want)) <= 1e-9 * max(1.0, abs(float(want)))
         else:
@@ -398,7 +455,7 @@ def _compare(report: dict, expected: dict) -> list[str]:
     return differ
 
 
-def check_plan_dir(checkout: str, plan_dir: str) -> bool:
+def check_plan_dir(checkout: str, plan_dir: str, te_version: str = "2.12.0") -> bool:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from megapipe.io import read_plan
 
@@ -415,7 +472,7 @@ def check_plan_dir(checkout: str, plan_dir: str) -> bool:
     report = run(checkout, tokens, vocab_size=plan["model"]["vocab_size"], world_size=plan["cluster"]["num_gpus"],
                  dp=best["parallel"]["data_parallel_size"], device_arch=arch,
                  max_connections=emitted.get("megatron_env", {}).get("CUDA_DEVICE_MAX_CONNECTIONS", "unset"),
-                 extra=[])
+                 extra=[], te_version=te_version)
     print(f"== {plan_dir}  ({report.get('megatron_core_version')} at {checkout}; {report.get('path')})")
     print(f"   env CUDA_DEVICE_MAX_CONNECTIONS={report['CUDA_DEVICE_MAX_CONNECTIONS']}, device arch {arch}, "
           f"WORLD_SIZE={report['world_size']}; added: {' '.join(report.get('added_tokens', []))}")
@@ -436,17 +493,21 @@ def check_plan_dir(checkout: str, plan_dir: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron", required=True, help="a Megatron-LM checkout (holding megatron/ and pretrain_gpt.py)")
+    parser.add_argument("--te-version", default="2.12.0",
+                        help="the Transformer Engine version Megatron's checks see when TE is not installed here "
+                             "(default 2.12.0: the most megapipe's plans state they need, delayed wgrad under an attn CUDA graph)")
     parser.add_argument("plan_dirs", nargs="+")
     opts = parser.parse_args(argv)
     if not os.path.isfile(os.path.join(opts.megatron, "megatron", "training", "arguments.py")):
         print(f"not a Megatron-LM checkout: {opts.megatron}", file=sys.stderr)
         return 2
     if len(opts.plan_dirs) == 1:
-        return 0 if check_plan_dir(opts.megatron, opts.plan_dirs[0]) else 1
+        return 0 if check_plan_dir(opts.megatron, opts.plan_dirs[0], opts.te_version) else 1
     # Megatron keeps its parsed arguments in globals: one process per plan dir.
     import subprocess
 
-    results = [subprocess.run([sys.executable, __file__, "--megatron", opts.megatron, plan_dir]).returncode == 0
+    results = [subprocess.run([sys.executable, __file__, "--megatron", opts.megatron, "--te-version", opts.te_version,
+                               plan_dir]).returncode == 0
                for plan_dir in opts.plan_dirs]
     print(f"{sum(results)} of {len(results)} plan dirs accepted by Megatron-LM and in agreement with plan.yaml")
     return 0 if all(results) else 1

@@ -23,6 +23,7 @@ from megapipe.io import atomic_write_text, dump_yaml, write_plan_dir
 from megapipe.pack import gain, pack_jobs
 from megapipe.pack.curves import sub_cluster
 from megapipe.plan.document import plan_document
+from megapipe.plan.interval import format_share, throughput_interval
 from megapipe.records import JobSpec, PackOptions
 
 __all__ = ["PackJob", "prepare", "run"]
@@ -63,11 +64,32 @@ def _assignment(job: JobSpec, option, cluster, finish: float | None) -> dict:
         "expert_model_parallel_size": par.expert_model_parallel_size,
         "micro_batch_size": plan.train.micro_batch_size, "recompute_granularity": plan.train.recompute_granularity.value,
         "schedule": str(plan.schedule), "layout": plan.layout,
-        "tokens_per_s": _number(option.tokens_per_s), "model_tflops_per_s": _number(option.flops_per_s / 1e12),
+        "tokens_per_s": _number(option.tokens_per_s), **_rate_interval(option),
+        "model_tflops_per_s": _number(option.flops_per_s / 1e12),
         "hours_for_budget_alone_on_these_nodes": _number(option.hours(job.tokens)) if job.tokens > 0 else None,
         "finish_h_with_repacking": _number(finish) if finish is not None else None,
         "deadline_hours": job.deadline_hours,
     }
+
+
+def _rate_interval(option) -> dict:
+    """tokens/s's interval (from the plan's step-time interval), when the runtime carries intervals."""
+    interval = throughput_interval(option.plan.step_time_interval)
+    return {} if interval is None else {"tokens_per_s_interval": list(interval)}
+
+
+def _curves(result, cluster) -> list[dict]:
+    """Every job's curve: its best plan's throughput at each (GPU type, node count) the packing chose among."""
+    out = []
+    for spec, options in zip(result.jobs, result.curve_options):
+        points = [{"gpu": cluster.node_groups[option.group].gpu.name, "nodes": option.nodes,
+                   "tokens_per_s": _number(option.tokens_per_s), **_rate_interval(option),
+                   "step_time_s": _number(option.plan.step_time_s),
+                   **({"step_time_interval": list(option.plan.step_time_interval)}
+                      if option.plan.step_time_interval else {})}
+                  for option in options]
+        out.append({"job": spec.name, "points": points})
+    return out
 
 
 def _policy(policy, objective: str, packed) -> dict:
@@ -123,6 +145,7 @@ def run(job: PackJob, *, directory: str) -> None:
         "assignments": [_assignment(spec, option, cluster, end)
                         for spec, option, end in zip(result.jobs, packed.options, finish)],
         "policies": [_policy(policy, result.objective, packed) for policy in (packed, *result.baselines)],
+        "curves": _curves(result, cluster),
         "decision": {"planner_searches": result.searches},
         "inputs": job.inputs,
     }
@@ -174,7 +197,7 @@ def _print(result, cluster, directory: str) -> None:
                       f"{par.context_parallel_size}/{par.virtual_pipeline_model_parallel_size} "
                       f"EP{par.expert_model_parallel_size}",
                       str(plan.train.micro_batch_size), plan.train.recompute_granularity.value, str(plan.schedule),
-                      f"{option.tokens_per_s:,.0f}",
+                      f"{option.tokens_per_s:,.0f}" + format_share(throughput_interval(plan.step_time_interval)),
                       f"{option.hours(spec.tokens):.1f}" if spec.tokens > 0 else "-",
                       f"{end:.1f}" if end is not None else "-",
                       "-" if spec.deadline_hours is None else

@@ -173,6 +173,8 @@ def moe_assumptions(plan, setup: Setup) -> str:
                    "train.moe_load_imbalance)")
     overlap = ("EP all-to-all overlapped with the other microbatch" + (" and delayed weight gradients"
                if features.delay_wgrad_compute else "")) if features.overlap_moe_expert_parallel_comm else "no EP overlap"
+    if features.moe_shared_expert_overlap:
+        overlap += ", shared experts under the dispatch"
     fused = [name for name, on in (("permute", features.moe_permute_fusion), ("router", features.moe_router_fusion)) if on]
     return (f"MoE runtime: dispatcher {dispatcher[features.dispatcher]}, {overlap}, {graphs}, "
             f"{' and '.join(fused) + ' fusion' if fused else 'no fusions'}; routing: {routing}.\n"

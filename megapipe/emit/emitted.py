@@ -135,6 +135,24 @@ def _nemo1_warnings(stage_kinds: StageKinds, parallel: ParallelSpec) -> list[str
     return warnings
 
 
+def _delay_wgrad_requirement(model: ModelSpec, parallel: ParallelSpec) -> str:
+    """The Transformer Engine delay_wgrad_compute needs, as Megatron-LM checks it at start-up (validate_args,
+    TransformerConfig): 2.8 with --overlap-grad-reduce; 2.10 with TE CUDA graphs; at megatron-core 0.19 and later
+    2.12 when a graph holds weight gradients (attn, or moe_router with shared experts not overlapped)."""
+    features = parallel.features
+    scopes = set(features.cuda_graph_scope)
+    if features.cuda_graph_impl != "transformer_engine":
+        return "delay_wgrad_compute needs Transformer Engine >= 2.8 with --overlap-grad-reduce (Megatron-LM checks it)"
+    wgrad_in_graph = "attn" in scopes or ("moe_router" in scopes and bool(model.moe_shared_expert_intermediate_size)
+                                          and not features.moe_shared_expert_overlap)
+    if wgrad_in_graph:
+        return ("delay_wgrad_compute with Transformer Engine CUDA graphs of "
+                f"{'/'.join(features.cuda_graph_scope)} needs Transformer Engine >= 2.12 at megatron-core 0.19 and "
+                "later (2.10 at 0.16) and gradient accumulation fusion (Megatron's default); Megatron-LM checks it")
+    return ("delay_wgrad_compute with Transformer Engine CUDA graphs needs Transformer Engine >= 2.10 "
+            "(Megatron-LM checks it)")
+
+
 def _feature_warnings(model: ModelSpec, parallel: ParallelSpec) -> list[str]:
     """What the runtime features need beyond the arguments, and where a front end cannot carry them."""
     features, warnings = parallel.features, []
@@ -143,8 +161,7 @@ def _feature_warnings(model: ModelSpec, parallel: ParallelSpec) -> list[str]:
                         f"({'DeepEP' if features.moe_flex_dispatcher_backend == 'deepep' else 'its hybrid-ep build'}; "
                         "NVIDIA's Megatron-Bridge and NeMo containers ship it)")
     if features.delay_wgrad_compute:
-        warnings.append("delay_wgrad_compute needs Transformer Engine >= 2.8 with --overlap-grad-reduce (2.10 with "
-                        "CUDA graphs; Megatron-LM checks it at start-up)")
+        warnings.append(_delay_wgrad_requirement(model, parallel))
     defaults = type(features)()
     changed = [name for name in ("moe_token_dispatcher_type", "overlap_moe_expert_parallel_comm",
                                  "moe_shared_expert_overlap", "moe_permute_fusion", "moe_router_fusion",

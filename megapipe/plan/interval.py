@@ -13,7 +13,8 @@ from collections.abc import Iterable, Sequence
 
 from megapipe.records import RuntimeSpec
 
-__all__ = ["interval_key", "step_interval", "intervals_from_errors", "format_interval", "MIN_RUNS"]
+__all__ = ["interval_key", "step_interval", "throughput_interval", "intervals_from_errors", "format_interval",
+           "format_share", "MIN_RUNS"]
 
 MIN_RUNS = 5
 """Errors a kind needs before it gets an interval of its own (else the next coarser kind's)."""
@@ -68,10 +69,23 @@ def intervals_from_errors(errors: Iterable[tuple[tuple[str, str, str], float]]) 
     return tuple(out)
 
 
+def throughput_interval(interval: tuple[float, float] | None) -> tuple[float, float] | None:
+    """A step interval as one of tokens/s (the rate goes as 1 / step): the measured rate over the predicted
+    one lies in ``[1 + low, 1 + high]`` when the step's does in its interval."""
+    if interval is None:
+        return None
+    low, high = interval
+    return (float(f"{1.0 / (1.0 + high) - 1.0:.4g}"), float(f"{1.0 / (1.0 + low) - 1.0:.4g}"))
+
+
+def format_share(interval: tuple[float, float] | None) -> str:
+    """`` (-6%/+9%)``, or nothing without an interval."""
+    if interval is None:
+        return ""
+    low, high = interval
+    return f" ({low:+.0%}/{high:+.0%})"
+
+
 def format_interval(step_s: float, interval: tuple[float, float] | None) -> str:
     """``12.3 s (-6%/+9%)``, or the bare time without an interval."""
-    text = f"{step_s:.3g} s"
-    if interval is None:
-        return text
-    low, high = interval
-    return f"{text} ({low:+.0%}/{high:+.0%})"
+    return f"{step_s:.3g} s{format_share(interval)}"
