@@ -177,7 +177,7 @@ def _record_run(cfg, overrides: list[str], directory: str) -> None:
     """Hydra's ``.hydra/`` record of a run: the composed config and the overrides."""
     from omegaconf import OmegaConf
 
-    from megapipe.io import atomic_write_text, dump_yaml
+    from megapipe.files import atomic_write_text, dump_yaml
 
     record = os.path.join(directory, ".hydra")
     task = OmegaConf.to_container(cfg, resolve=False)
@@ -226,7 +226,7 @@ def _task(command: str, module, multirun: bool, runtime_path: str | None):
 
 def _record_failure(directory: str, message: str) -> None:
     """The failed job's reason in its directory, and a line for the parent process (jobs may run elsewhere)."""
-    from megapipe.io import FAILED_FILE, atomic_write_text
+    from megapipe.files import FAILED_FILE, atomic_write_text
 
     atomic_write_text(os.path.join(directory, FAILED_FILE), message + "\n")
     ledger = os.environ.get(_FAILURES_ENV)

@@ -498,7 +498,7 @@ class Profile:
     """Per-unit costs for one microbatch: embedding, each decoder layer, MTP layers, loss, in model order.
 
     Written by the cost model (:func:`megapipe.cost.layer_costs`) or measured (``megapipe profile``);
-    its file form is ``megapipe-profile/1`` (:mod:`megapipe.profile.format`, :mod:`megapipe.io`).
+    its file form is ``megapipe-profile/1`` (:mod:`megapipe.profile.format`).
     """
 
     layers: tuple[LayerCost, ...]
@@ -629,17 +629,3 @@ class JobSpec:
     max_micro_batch_size: int | None = None
     arrives_later: bool = False
     """Held out of the first packing; the what-if adds it."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PackOptions:
-    """How ``megapipe pack`` packs: objective, node counts, baselines, what-ifs (see hydra_conf PackConfig)."""
-
-    objective: str = "throughput"
-    node_counts: tuple[int, ...] | None = None
-    baseline_pipeline_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    fail_group: str | None = None
-    fail_nodes: int = 0
-    arrive: bool = False
-    move_slack: float = 0.0
-    restart_minutes: float = 10.0

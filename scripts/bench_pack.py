@@ -25,7 +25,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from megapipe.config import compose, to_setup  # noqa: E402
 from megapipe.pack import CurveCache, job_options, solve_dp, solve_milp  # noqa: E402
 from megapipe.pack.curves import default_node_counts  # noqa: E402
-from megapipe.records import JobSpec, PackOptions  # noqa: E402
+from megapipe.records import JobSpec  # noqa: E402
+from megapipe.options import PackOptions
 
 SHAPES = (("llama3_8b", 128, 4096), ("llama3_8b", 1024, 8192), ("llama3_70b", 512, 8192), ("mixtral_8x7b", 512, 4096),
           ("qwen3_30b_a3b", 512, 4096), ("llama3_405b", 1024, 8192))

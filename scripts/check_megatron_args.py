@@ -457,7 +457,7 @@ def _compare(report: dict, expected: dict) -> list[str]:
 
 def check_plan_dir(checkout: str, plan_dir: str, te_version: str = "2.12.0") -> bool:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from megapipe.io import read_plan
+    from megapipe.plandir import read_plan
 
     plan = read_plan(plan_dir)
     emitted = plan.get("emitted")

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megapipe.config import compose, to_setup  # noqa: E402
 from megapipe.errors import MegapipeError  # noqa: E402
-from megapipe.io import read_runs  # noqa: E402
-from megapipe.plan.plans import SearchOptions  # noqa: E402
+from megapipe.validation.runs import read_runs  # noqa: E402
+from megapipe.options import SearchOptions  # noqa: E402
 from megapipe.plan.search import search  # noqa: E402
 from megapipe.validation.predict import predict, resolve, run_cluster  # noqa: E402
 

@@ -15,7 +15,8 @@ import torch
 
 from megapipe.cost import layer_costs, shapes_of
 from megapipe.cost.memory import decoder_activation_bytes, embedding_activation_bytes
-from megapipe.profile.measure import MeasureOptions, measure_profile
+from megapipe.profile.measure import measure_profile
+from megapipe.options import MeasureOptions
 from megapipe.records import (
     Activation, AttentionBackend, ClusterSpec, GpuSpec, LayerKind, LinkSpec, ModelSpec, NodeGroup, ParallelSpec,
     Recompute, TrainSpec,

@@ -13,7 +13,7 @@ from megapipe.schedules import SCHEDULE_NAMES
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megapipe"
 CORE = ("cost", "partition", "schedules", "simulate", "plan", "emit", "pack")
 IMPURE = ("torch", "hydra", "omegaconf", "rich", "matplotlib", "yaml", "megapipe.monitor", "megapipe.profile.measure",
-          "megapipe.io", "megapipe.config", "megapipe.commands", "megapipe.cli")
+          "megapipe.files", "megapipe.plandir", "megapipe.config", "megapipe.commands", "megapipe.cli")
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -115,7 +115,7 @@ def test_plan_takes_the_runtime_file(calibrated, tmp_path):
     code = main(["plan", *CFG, _batch(4), f"runtime={runtime}", f"output.dir={tmp_path}", "output.format=json",
                  "parallel.pipeline_model_parallel_size=null"])
     assert code == 0
-    from megapipe.io import read_plan
+    from megapipe.plandir import read_plan
 
     recorded = read_plan(str(tmp_path))["inputs"]["runtime"]
     fitted = {field["name"]: field["fitted"] for field in calibrated["result"]["fields"]}

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megapipe.io import save_profile
+from megapipe.profile.format import save_profile
 from megapipe.config import compose, to_setup
 from megapipe.partition import solve
 

@@ -82,7 +82,7 @@ def _replan(run_dir: str, out: str, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
-    from megapipe.io import save_profile
+    from megapipe.profile.format import save_profile
     from megapipe.partition import solve
     from megapipe.records import StageSpec
 

@@ -359,7 +359,8 @@ def test_parameters_and_activation_bytes_match_megatron_core_on_cpu():
     """Parameters exact; full recompute exact; a GELU layer (fp32, no dropout) within the causal mask + norm stats."""
     pytest.importorskip("megatron.core")
     from megapipe.cost.memory import decoder_activation_bytes
-    from megapipe.profile.measure import MeasureOptions, measure_profile
+    from megapipe.profile.measure import measure_profile
+    from megapipe.options import MeasureOptions
 
     model = ModelSpec(name="gelu_mha", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                       ffn_hidden_size=256, vocab_size=512, seq_length=64, activation=Activation.gelu,

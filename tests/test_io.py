@@ -1,4 +1,4 @@
-"""megapipe.io: atomic writes with the umask's mode, the fast YAML emitter writes the pure one's bytes, readers' errors."""
+"""megapipe.files, profile and plan files: atomic writes with the umask's mode, the fast YAML emitter writes the pure one's bytes, readers' errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import stat
 import pytest
 import yaml
 
-from megapipe import io
+from megapipe import files, plandir
+from megapipe.profile import format as profile_file
 from megapipe.errors import ConfigError, ProfileError
 from megapipe.records import LayerCost, LayerKind, Profile
 
@@ -24,8 +25,8 @@ def _profile() -> Profile:
 def test_atomic_write_respects_the_umask(tmp_path):
     old = os.umask(0o022)
     try:
-        io.atomic_write_text(tmp_path / "a.txt", "x\n")
-        io.atomic_write_bytes(tmp_path / "b.png", b"\x89PNG")
+        files.atomic_write_text(tmp_path / "a.txt", "x\n")
+        files.atomic_write_bytes(tmp_path / "b.png", b"\x89PNG")
     finally:
         os.umask(old)
     for name in ("a.txt", "b.png"):
@@ -47,28 +48,28 @@ def test_fast_emitter_writes_the_pure_emitters_bytes(tmp_path):
                     options=setup.search)
     document = plan_document(result=result, model=setup.model, cluster=setup.cluster, inputs=job.inputs)
     pure = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=120)
-    assert io.dump_yaml(document) == pure
+    assert files.dump_yaml(document) == pure
     profile = profile_to_dict(_profile())
-    assert io.dump_yaml(profile, flow=None, width=200) == yaml.safe_dump(profile, sort_keys=False,
+    assert files.dump_yaml(profile, flow=None, width=200) == yaml.safe_dump(profile, sort_keys=False,
                                                                         default_flow_style=None, width=200)
 
 
 def test_profile_round_trip_and_errors(tmp_path):
     path = tmp_path / "p.yaml"
-    io.save_profile(_profile(), path)
-    assert io.load_profile(path) == _profile()
+    profile_file.save_profile(_profile(), path)
+    assert profile_file.load_profile(path) == _profile()
     with pytest.raises(ProfileError, match="cannot read profile"):
-        io.load_profile(tmp_path / "missing.yaml")
+        profile_file.load_profile(tmp_path / "missing.yaml")
     (tmp_path / "bad.yaml").write_text("a: [\n")
     with pytest.raises(ProfileError, match="not valid YAML"):
-        io.load_profile(tmp_path / "bad.yaml")
+        profile_file.load_profile(tmp_path / "bad.yaml")
 
 
 def test_read_plan_names_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        io.read_plan(tmp_path)
+        plandir.read_plan(tmp_path)
     (tmp_path / "plan.yaml").write_text("format: megapipe-profile/1\n")
     with pytest.raises(ConfigError, match="megapipe-plan/1"):
-        io.read_plan(tmp_path)
+        plandir.read_plan(tmp_path)
     (tmp_path / "plan.yaml").write_text("format: megapipe-plan/1\nbest: {}\n")
-    assert io.read_plan(tmp_path / "plan.yaml")["best"] == {}
+    assert plandir.read_plan(tmp_path / "plan.yaml")["best"] == {}

@@ -95,10 +95,10 @@ def test_drift_figures_and_advice():
     assert "megapipe replan runs/a" in text and "profile=" in text
     _check_suggested_commands(text)
     assert [d.figure for d in drift.drifts(plan, step_time_s=None, bubble_fraction=math.nan, stage_peak_bytes=None)] == []
-    from megapipe.io import plan_document
+    from megapipe.plandir import checked_plan_document
 
     with pytest.raises(ConfigError, match="megapipe-plan/1"):
-        plan_document({"format": "megapipe-profile/1"})
+        checked_plan_document({"format": "megapipe-profile/1"})
 
 
 def _check_suggested_commands(text):

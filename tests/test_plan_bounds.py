@@ -14,7 +14,7 @@ from megapipe.partition.coupled import uniform_fits
 from megapipe.partition.coupled import uniform_shape as layer_shape
 from megapipe.plan.bounds import pipeline_floor_ms, split_can_fit
 from megapipe.plan.evaluator import Evaluator
-from megapipe.plan.plans import SearchOptions
+from megapipe.options import SearchOptions
 from megapipe.plan.space import enumerate_candidates
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, LinkSpec, ModelSpec, NodeGroup, TrainSpec
 from megapipe.simulate import StageTimes, simulate

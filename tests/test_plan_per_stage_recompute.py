@@ -64,7 +64,7 @@ def test_split_with_options_equals_brute_force(data, n, num_stages, num_options)
 def test_per_stage_recompute_beats_every_uniform_setting():
     """Memory is tight on the first 1F1B stage (P microbatches in flight): recomputing only there
     lets the split balance, which no single recompute setting for all stages matches."""
-    from megapipe.plan.plans import SearchOptions
+    from megapipe.options import SearchOptions
     from megapipe.plan.search import search
     from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec
 
@@ -92,7 +92,7 @@ def test_per_stage_bounds_hold():
     """The bounds and the memory check the search prunes per-stage candidates with, against exact evaluation."""
     from megapipe.errors import InfeasibleError
     from megapipe.plan.evaluator import Evaluator
-    from megapipe.plan.plans import SearchOptions
+    from megapipe.options import SearchOptions
     from megapipe.plan.space import enumerate_candidates
     from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec
 

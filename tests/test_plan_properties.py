@@ -10,7 +10,7 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import PipelinePar
 
 from megapipe.emit import emit
 from megapipe.errors import InfeasibleError
-from megapipe.plan.plans import Reference, SearchOptions
+from megapipe.options import Reference, SearchOptions
 from megapipe.plan.search import search
 from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec
 from megapipe.schedules import spec

@@ -10,7 +10,7 @@ from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.plan.evaluator import Evaluator
 from megapipe.placement import placements
 from megapipe.plan.rank import rank_plans
-from megapipe.plan.plans import SearchOptions
+from megapipe.options import SearchOptions
 from megapipe.plan.search import search
 from megapipe.plan.space import enumerate_candidates
 from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, NodeGroup, TrainSpec

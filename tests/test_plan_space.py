@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from megapipe.errors import ConfigError
 from megapipe.plan.money import cost_per_million_tokens, gpu_hours, training_cost
 from megapipe.plan.rank import rank_plans
-from megapipe.plan.plans import Plan, SearchOptions, StageUsage
+from megapipe.plan.plans import Plan, StageUsage
+from megapipe.options import SearchOptions
 from megapipe.plan.space import divisors, enumerate_candidates
 from megapipe.cost.data_parallel import dp_link, dp_sync_ms, optimizer_step_ms
 from megapipe.plan.warnings import plan_warnings

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import yaml
 
-from megapipe.io import load_profile, save_profile
+from megapipe.profile.format import load_profile, save_profile
 from megapipe.errors import ConfigError, ProfileError
 from megapipe.records import Profile
 from megapipe.profile.match import ProfileDeviceWarning, match_profile, scale_profile
@@ -15,7 +15,9 @@ from megapipe.records import GpuSpec, LayerKind, ModelSpec, ParallelSpec, Recomp
 
 pytest.importorskip("megatron.core")
 
-from megapipe.profile.measure import MeasureOptions, measure_profile  # noqa: E402
+from megapipe.profile.measure import measure_profile  # noqa: E402
+
+from megapipe.options import MeasureOptions
 
 SEQ, MBS, HIDDEN, VOCAB = 128, 2, 64, 32768
 FAST = MeasureOptions(device="cpu", warmup=1, iters=3, num_threads=1)

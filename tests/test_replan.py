@@ -10,7 +10,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapipe.io import load_profile, save_profile
+from megapipe.profile.format import load_profile, save_profile
 from megapipe.errors import ConfigError, MegapipeError, ProfileError
 from megapipe.layout import format_layout
 from megapipe.monitor.jsonl import JsonlWriter

@@ -10,7 +10,7 @@ import yaml
 
 from megapipe.config import compose, to_setup
 from megapipe.errors import ConfigError
-from megapipe.io import PUBLIC_RUNS, read_runs
+from megapipe.validation.runs import PUBLIC_RUNS, read_runs
 from megapipe.records import RuntimeSpec
 from megapipe.validation.fit import fit_stages, stages_of, RunSet, fit_indices, fit_runtime, leave_one_out, with_values
 from megapipe.validation.predict import predict, resolve, run_cluster

@@ -36,7 +36,8 @@ from megapipe.config import Setup, runtime_of, to_setup
 from megapipe.config.options import output_options
 from megapipe.cost.calibrate import FIELDS, cross_validate, fit_gpu, overlay_yaml, sample_from_profile
 from megapipe.errors import ConfigError, ProfileError
-from megapipe.io import atomic_write_text, load_profile
+from megapipe.files import atomic_write_text
+from megapipe.profile.format import load_profile
 from megapipe.records import RuntimeSpec
 from megapipe.validation.fit import RunSet
 from megapipe.validation.monitored import (

@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from megapipe import cost
 from megapipe.config import Setup, to_setup
 from megapipe.errors import ConfigError
-from megapipe.io import PLAN_FILE, load_profile, read_plan
+from megapipe.plandir import PLAN_FILE, read_plan
+from megapipe.profile.format import load_profile
 from megapipe.monitor.jsonl import read_monitor
 from megapipe.monitor.measured import measured_run
 from megapipe.placement import default_gpus, modelled_stage_specs

@@ -18,13 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 from megapipe.commands.common import console, print_json
 from megapipe.config import Setup, recorded_inputs, to_setup
 from megapipe.config.jobs import jobs_of, pack_options
-from megapipe.emit import BridgeKeys, emit, launch_script
-from megapipe.io import atomic_write_text, dump_yaml, write_plan_dir
+from megapipe.files import atomic_write_text, dump_yaml
+from megapipe.plandir import write_plan
 from megapipe.pack import gain, pack_jobs
 from megapipe.pack.curves import sub_cluster
-from megapipe.plan.document import plan_document
 from megapipe.plan.interval import format_share, throughput_interval
-from megapipe.records import JobSpec, PackOptions
+from megapipe.records import JobSpec
+from megapipe.options import PackOptions
 
 __all__ = ["PackJob", "prepare", "run"]
 
@@ -116,18 +116,11 @@ def _write_job_dirs(directory: str, job: PackJob, jobs, options, cluster) -> lis
     written = []
     for spec, option in zip(jobs, options):
         sub = sub_cluster(cluster, option.group, option.nodes)
-        result, best = option.result, option.result.best
-        gpus = (sub.gpu,) * best.parallel.pipeline_model_parallel_size
-        emitted = emit(partition=best.partition, parallel=best.parallel, train=best.train, model=spec.model, gpus=gpus,
-                       bridge_keys=BridgeKeys(job.setup.output.bridge_keys), domain_gpus=sub.domain_gpus)
-        launch = launch_script(emitted, gpus_per_node=sub.gpus_per_node, num_nodes=sub.num_nodes,
-                               vocab_size=spec.model.vocab_size, title=f"megapipe pack: {spec.name} ({spec.model.name}) "
-                                                                      f"on {option.nodes} x {sub.gpu.name} nodes")
-        inputs = {"job": spec.name, "pack": job.inputs.get("pack"), "cluster_nodes": option.nodes}
-        document = plan_document(result=result, model=spec.model, cluster=sub, inputs=inputs,
-                                 emitted=emitted.as_dict(), extra={"seq_length_source": "the job list"})
         path = os.path.join(directory, "jobs", spec.name)
-        write_plan_dir(path, document=document, emitted=emitted, launch=launch)
+        write_plan(path, result=option.result, model=spec.model, cluster=sub,
+                   inputs={"job": spec.name, "pack": job.inputs.get("pack"), "cluster_nodes": option.nodes},
+                   bridge_keys=job.setup.output.bridge_keys, extra={"seq_length_source": "the job list"},
+                   title=f"megapipe pack: {spec.name} ({spec.model.name}) on {option.nodes} x {sub.gpu.name} nodes")
         written.append(path)
     return written
 

@@ -13,8 +13,8 @@ from omegaconf import DictConfig
 
 from megapipe.commands.common import console, pipeline_p2p, print_json, setup_profile, setup_stage_specs, stage_times
 from megapipe.config import Setup, to_setup
-from megapipe.emit import BridgeKeys, decoder_counts, emit, megatron_schedule_warnings
-from megapipe.placement import gpus_by_name
+from megapipe.emit import decoder_counts
+from megapipe.plandir import plan_emission
 from megapipe.partition import solve
 from megapipe.records import LayerKind, Partition, Profile
 from megapipe.schedules import build
@@ -45,13 +45,10 @@ def _decoders(part: Partition) -> list[int]:
 def result_dict(setup: Setup, optimal: Partition, optimal_sim: SimResult, equal: Partition,
                 equal_sim: SimResult, specs) -> dict:
     """The JSON form; a what-if schedule (one megatron-core does not run) gets no Megatron arguments."""
-    what_if = megatron_schedule_warnings(
-        schedule=setup.schedule, pipeline_model_parallel_size=setup.parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=setup.parallel.virtual_pipeline_model_parallel_size)
-    emitted = None if what_if else emit(
-        partition=optimal, parallel=setup.parallel, train=setup.train, model=setup.model,
-        gpus=gpus_by_name(setup.cluster, [spec.gpu_name for spec in specs]),
-        bridge_keys=BridgeKeys(setup.output.bridge_keys))
+    emission = plan_emission(partition=optimal, parallel=setup.parallel, train=setup.train, model=setup.model,
+                             cluster=setup.cluster, stage_gpus=[spec.gpu_name for spec in specs],
+                             bridge_keys=setup.output.bridge_keys)
+    what_if, emitted = emission.what_if, emission.emitted
     return {
         "model": setup.model.name,
         "cluster": setup.cluster.name,

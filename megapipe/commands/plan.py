@@ -16,10 +16,10 @@ from omegaconf import DictConfig
 
 from megapipe.commands.common import console, matched_profile, print_json
 from megapipe.config import Setup, recorded_inputs, to_setup
-from megapipe.emit import BridgeKeys, emit, launch_line, launch_script, node_rank_lines
-from megapipe.io import write_plan_dir
-from megapipe.placement import gpus_by_name, node_gpus, node_ranges
-from megapipe.plan.document import json_summary, plan_document
+from megapipe.emit import BridgeKeys, launch_line
+from megapipe.placement import node_ranges
+from megapipe.plan.document import json_summary
+from megapipe.plandir import write_plan
 from megapipe.plan.interval import format_interval
 from megapipe.plan.plans import SearchResult
 from megapipe.plan.search import search
@@ -85,25 +85,6 @@ def _pictures(directory: str, result: SearchResult, *, usable_gib: float) -> Non
                   title=f"{result.best.schedule}: {result.best.layout}")
 
 
-def _emission(job: PlanJob, result: SearchResult) -> tuple[dict, object, str, tuple[str, ...]]:
-    """(extra plan.yaml sections, Emitted or None for a what-if plan, launch script, node rank GPU types)."""
-    setup, best = job.setup, result.best
-    gpus = gpus_by_name(setup.cluster, best.stage_gpus) if best.stage_gpus else \
-        (setup.cluster.gpu,) * best.parallel.pipeline_model_parallel_size
-    nodes = node_gpus(setup.cluster, best.parallel, [gpu.name for gpu in gpus]) if best.stage_gpus else ()
-    extra = {"seq_length_source": setup.seq_length_source}
-    if nodes:
-        extra["node_gpus"] = list(nodes)
-    if best.what_if:
-        return extra, None, "", nodes
-    emitted = emit(partition=best.partition, parallel=best.parallel, train=best.train, model=setup.model, gpus=gpus,
-                   bridge_keys=BridgeKeys(setup.output.bridge_keys), domain_gpus=setup.cluster.domain_gpus)
-    launch = launch_script(emitted, gpus_per_node=setup.cluster.gpus_per_node, num_nodes=setup.cluster.num_nodes,
-                           vocab_size=setup.model.vocab_size, node_ranges=node_ranges(nodes) if nodes else "",
-                           title=f"megapipe plan of {setup.model.name} on {setup.cluster.name}")
-    return extra, emitted, launch, nodes
-
-
 def run(job: PlanJob, *, directory: str) -> None:
     setup = job.setup
     result = _progress_search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=_fixed(job),
@@ -111,18 +92,17 @@ def run(job: PlanJob, *, directory: str) -> None:
                               use_distributed_optimizer=setup.parallel.use_distributed_optimizer,
                               microbatch_group_size_per_vp_stage=setup.parallel.microbatch_group_size_per_vp_stage,
                               template=setup.parallel)
-    extra, emitted, launch, nodes = _emission(job, result)
-    document = plan_document(result=result, model=setup.model, cluster=setup.cluster, inputs=job.inputs,
-                             emitted=emitted.as_dict() if emitted else None, extra=extra)
-    files = write_plan_dir(directory, document=document, emitted=emitted, launch=launch,
-                           node_ranks=node_rank_lines(nodes) if nodes else "",
-                           profile=result.profile if isinstance(result.profile, Profile) else None)
+    extra = {"seq_length_source": setup.seq_length_source}
+    written = write_plan(directory, result=result, model=setup.model, cluster=setup.cluster, inputs=job.inputs,
+                         bridge_keys=setup.output.bridge_keys, extra=extra)
+    emitted, nodes = written.emission.emitted, written.emission.nodes
     if setup.output.json:
-        print_json({**json_summary(result, moe=setup.model.is_moe), "plan_dir": directory, "files": list(files), **extra,
+        print_json({**json_summary(result, moe=setup.model.is_moe), "plan_dir": directory, "files": list(written.files),
+                    **extra, **({"node_gpus": list(nodes)} if nodes else {}),
                     "emitted": emitted.as_dict() if emitted else None,
                     "launch": _launch_line(setup, emitted) if emitted else None})
     else:
-        print_plans(result, setup=setup, emitted=emitted, directory=directory, files=files, nodes=nodes)
+        print_plans(result, setup=setup, emitted=emitted, directory=directory, files=written.files, nodes=nodes)
     if setup.output.pictures:  # after the answer: matplotlib takes longer than the search
         _pictures(directory, result, usable_gib=setup.cluster.gpu.usable_memory_bytes / GIB)
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from megapipe.commands.common import console, print_json
 from megapipe.config import Setup, to_setup
 from megapipe.errors import ConfigError
-from megapipe.io import save_profile
+from megapipe.profile.format import save_profile
 from megapipe.records import Profile
 
 __all__ = ["prepare", "run", "profile_options"]
@@ -53,7 +53,8 @@ def _device_name(requested: str | None, *, torch_name: str, gpu_name: str) -> st
 
 
 def run(setup: Setup, *, directory: str) -> None:
-    from megapipe.profile.measure import MeasureOptions, measure_profile
+    from megapipe.profile.measure import measure_profile
+    from megapipe.options import MeasureOptions
 
     options = profile_options(setup)
     parallel = setup.parallel

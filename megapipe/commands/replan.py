@@ -23,12 +23,15 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megapipe.commands.common import console, pipeline_p2p, print_json, read_monitored_run, setup_stage_specs
-from megapipe.config import OutputOptions, ReplanOptions, Setup
+from megapipe.config import Setup
+from megapipe.options import OutputOptions, ReplanOptions
 from megapipe.config.options import output_options, replan_options
 from megapipe.errors import ConfigError
-from megapipe.io import atomic_write_text, dump_yaml, load_profile, save_profile
+from megapipe.files import atomic_write_text, dump_yaml
+from megapipe.profile.format import load_profile, save_profile
 from megapipe.monitor.jsonl import FORMAT as MONITOR_FORMAT
 from megapipe.placement import default_gpus, gpus_by_name
+from megapipe.plandir import plan_emission
 from megapipe.plan.replan import MeasuredRun, Replan, replan
 from megapipe.profile.match import match_profile
 from megapipe.records import Profile
@@ -65,9 +68,8 @@ def prepare(cfg: DictConfig) -> ReplanJob:
                      profile=_profile(cfg, run.run_dir, run.setup), options=options, output=output_options(cfg))
 
 
-def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, directory: str, gpus) -> dict:
-    from megapipe.emit import BridgeKeys, emit
-
+def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, directory: str,
+                stage_gpus: tuple[str, ...] = ()) -> dict:
     out = {
         "run_layout": measured.layout,
         "measured_step_time_ms": round(measured.step_time_ms, 6) if math.isfinite(measured.step_time_ms) else None,
@@ -89,11 +91,14 @@ def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, director
         "corrected_profile": os.path.join(directory, "profile.yaml"),
     }
     if result.suggest:
-        emitted = emit(partition=result.new, parallel=setup.parallel, train=setup.train, model=setup.model,
-                       gpus=gpus, bridge_keys=BridgeKeys(setup.output.bridge_keys),
-                       domain_gpus=setup.cluster.domain_gpus)
-        out.update(megatron_args=emitted.megatron_command, bridge_overrides=list(emitted.bridge_overrides),
-                   nemo2_overrides=list(emitted.nemo2_overrides), warnings=list(emitted.warnings))
+        emission = plan_emission(partition=result.new, parallel=setup.parallel, train=setup.train, model=setup.model,
+                                 cluster=setup.cluster, stage_gpus=stage_gpus, bridge_keys=setup.output.bridge_keys)
+        emitted = emission.emitted
+        if emitted is None:
+            out.update(warnings=list(emission.what_if))
+        else:
+            out.update(megatron_args=emitted.megatron_command, bridge_overrides=list(emitted.bridge_overrides),
+                       nemo2_overrides=list(emitted.nemo2_overrides), warnings=list(emitted.warnings))
     return out
 
 
@@ -135,7 +140,8 @@ def run(job: ReplanJob, *, directory: str) -> None:
                     microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage,
                     attribution=job.options.attribution, corrected_from=MONITOR_FORMAT)
     save_profile(result.corrected, os.path.join(directory, "profile.yaml"))
-    summary = result_dict(setup, job.measured, result, directory=directory, gpus=gpus)
+    summary = result_dict(setup, job.measured, result, directory=directory,
+                          stage_gpus=tuple(gpu.name for gpu in gpus) if setup.cluster.is_heterogeneous else ())
     atomic_write_text(os.path.join(directory, "replan.yaml"), dump_yaml(summary))
     if job.output.json:
         print_json(summary)

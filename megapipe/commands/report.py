@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megapipe.commands.common import console, print_json
-from megapipe.config import OutputOptions
+from megapipe.options import OutputOptions
 from megapipe.config.options import output_options
 from megapipe.errors import ConfigError
 from megapipe.report.sweep import gather, write_tables

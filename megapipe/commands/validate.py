@@ -22,7 +22,8 @@ from omegaconf import DictConfig
 from megapipe.commands.common import console, print_json
 from megapipe.config import Setup, compose, to_setup
 from megapipe.errors import ConfigError
-from megapipe.io import PUBLIC_RUNS, atomic_write_text, read_runs, replace_marked_section
+from megapipe.files import atomic_write_text, replace_marked_section
+from megapipe.validation.runs import PUBLIC_RUNS, read_runs
 from megapipe.records import ClusterSpec, RuntimeSpec
 from megapipe.validation.fit import (
     DEFAULT_FIT,

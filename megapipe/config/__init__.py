@@ -2,8 +2,7 @@
 
 from megapipe.config.build import (DEFAULT_FILL, Setup, compose, conf_dir, recorded_inputs, runtime_file, runtime_of,
                                    to_setup, with_runtime_file)
-from megapipe.config.options import OutputOptions, ReplanOptions
 from megapipe.config.schema import register_configs
 
-__all__ = ["DEFAULT_FILL", "OutputOptions", "ReplanOptions", "Setup", "compose", "conf_dir", "recorded_inputs",
+__all__ = ["DEFAULT_FILL", "Setup", "compose", "conf_dir", "recorded_inputs",
            "register_configs", "runtime_file", "runtime_of", "to_setup", "with_runtime_file"]

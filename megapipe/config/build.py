@@ -43,7 +43,7 @@ from megapipe.config.validate import (
 )
 from megapipe.errors import ConfigError
 from megapipe.features import feature_problem
-from megapipe.plan.plans import SearchOptions
+from megapipe.options import SearchOptions
 from megapipe.records import (
     SEARCH_DIMENSIONS,
     Activation,

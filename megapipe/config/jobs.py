@@ -13,9 +13,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from megapipe.config.validate import positive_int
 from megapipe.errors import ConfigError
-from megapipe.records import ClusterSpec, JobSpec, PackOptions
+from megapipe.records import ClusterSpec, JobSpec
+from megapipe.options import PackOptions
 
-__all__ = ["OBJECTIVES", "PackOptions", "jobs_of", "pack_options"]
+__all__ = ["OBJECTIVES", "jobs_of", "pack_options"]
 
 OBJECTIVES = ("throughput", "makespan", "deadlines")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")

@@ -1,52 +1,19 @@
-"""Typed option records built from the ``search.*`` and ``output.*`` groups, once, at the boundary.
+"""The ``search.*`` and ``output.*`` groups as option records (:mod:`megapipe.options`), once, at the boundary.
 
-Commands read these records, never the Hydra config: :class:`SearchOptions` (the planner's,
-in :mod:`megapipe.plan.plans`), :class:`ReplanOptions` and :class:`OutputOptions`.
+Commands read those records, never the Hydra config.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 from megapipe.config.validate import check_fraction_pair, positive_int
 from megapipe.errors import ConfigError
-from megapipe.plan.plans import Reference, SearchOptions
+from megapipe.options import REPLAN_ATTRIBUTIONS, OutputOptions, Reference, ReplanOptions, SearchOptions
 
-__all__ = ["OutputOptions", "ReplanOptions", "REPLAN_ATTRIBUTIONS", "search_options", "replan_options",
-           "output_options"]
-
-REPLAN_ATTRIBUTIONS = ("stage", "kind")
-"""stage: each stage's measured time split in proportion to the profile; kind: per-kind factors first."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OutputOptions:
-    """Where and how a command reports; never part of what was planned."""
-
-    json: bool = False
-    """Print one JSON object instead of tables (``output.format=json``)."""
-    dir: str | None = None
-    """Where files go (``output.dir``); None means the run directory under outputs/."""
-    pictures: bool = True
-    """Draw PNG pictures after the answer is printed."""
-    bridge_keys: str = "flat"
-    """Megatron-Bridge key spelling: flat (0.6.x) or nested (main's model.transformer.*)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReplanOptions:
-    """``megapipe replan`` settings from the search group."""
-
-    min_gain: float = 0.02
-    """Smallest predicted gain (0.02 = 2%) for which a change is suggested."""
-    attribution: str = "stage"
-    """How measured stage times are attributed to layers (:data:`REPLAN_ATTRIBUTIONS`)."""
-    drift_threshold: float = 0.1
-    """Relative difference between measured and predicted figures the monitor warns at."""
-
+__all__ = ["search_options", "replan_options", "output_options"]
 
 def _value(raw) -> str:
     return getattr(raw, "value", str(raw))

@@ -70,17 +70,14 @@ from megapipe.cost.traffic import (
     output_traffic_bytes,
 )
 from megapipe.records import (
-    TIME_PARTS,
     ClusterSpec,
     GpuSpec,
     LayerCost,
     LayerKind,
-    LinkSpec,
     ModelSpec,
     ParallelSpec,
     Profile,
     Recompute,
-    RuntimeSpec,
     TrainSpec,
 )
 

@@ -3,7 +3,7 @@
 Pure: records in, strings out; no torch, no I/O. ``emit`` is the entry point.
 """
 
-from megapipe.emit.emitted import Emitted, emit, megatron_schedule_warnings
+from megapipe.emit.emitted import Emitted, emit
 from megapipe.emit.launch import launch_line, launch_script, node_rank_lines
 from megapipe.emit.megatron import megatron_args, megatron_env, recompute_settings
 from megapipe.emit.overrides import BridgeKeys, bridge_settings, nemo1_settings, nemo2_settings, to_overrides
@@ -24,7 +24,6 @@ __all__ = [
     "launch_line",
     "launch_script",
     "megatron_env",
-    "megatron_schedule_warnings",
     "node_rank_lines",
     "megatron_args",
     "recompute_settings",

@@ -16,9 +16,9 @@ from megapipe.emit.stages import StageKinds, decoder_counts, equal_stage_kinds, 
 from megapipe.errors import ConfigError
 from megapipe.layout import format_layout, parse_layout
 from megapipe.records import Activation, GpuSpec, LayerKind, ModelSpec, ParallelSpec, Partition, TrainSpec
-from megapipe.schedules import Placement, spec
+from megapipe.schedules import megatron_warnings
 
-__all__ = ["Emitted", "emit", "megatron_schedule_warnings"]
+__all__ = ["Emitted", "emit"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,23 +174,6 @@ def _feature_warnings(model: ModelSpec, parallel: ParallelSpec) -> list[str]:
     return warnings
 
 
-def megatron_schedule_warnings(*, schedule: str, pipeline_model_parallel_size: int,
-                               virtual_pipeline_model_parallel_size: int) -> tuple[str, ...]:
-    """What Megatron runs instead of a schedule megatron-core lacks, and a V placement its layout cannot express."""
-    item = spec(schedule)
-    if item.megatron_runs or pipeline_model_parallel_size == 1:
-        return ()
-    runs = "interleaved 1F1B" if virtual_pipeline_model_parallel_size > 1 else "1F1B"
-    warnings = [f"what-if: megatron-core has no {schedule} schedule, so this plan cannot run as simulated "
-                f"(Megatron would run its layout with {runs}); no Megatron arguments are written for it"]
-    if item.placement is Placement.v:
-        warnings.append(
-            f"the {schedule} V-shaped placement (rank r holds stages r and 2P-1-r) cannot be expressed: "
-            "Megatron's layout puts stage s on rank s mod pipeline_model_parallel_size"
-        )
-    return tuple(warnings)
-
-
 def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec,
          gpus: tuple[GpuSpec, ...], bridge_keys: BridgeKeys = BridgeKeys.flat, domain_gpus: int = 8) -> Emitted:
     """Write ``partition`` for every front end; ConfigError if Megatron could not run it as planned.
@@ -205,9 +188,8 @@ def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, mode
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
     )
-    what_if = megatron_schedule_warnings(schedule=partition.schedule,
-                                         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-                                         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size)
+    what_if = megatron_warnings(partition.schedule, pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+                                virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size)
     if what_if:
         raise ConfigError(f"{what_if[0]}; plan with schedule=1f1b or interleaved_1f1b to get Megatron arguments")
     layout = format_layout(partition.stage_kinds)

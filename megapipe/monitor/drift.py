@@ -46,7 +46,7 @@ class Drift:
 
 
 def expectation(document: dict) -> PlanExpectation:
-    """Read a plan document (the parsed plan.yaml, checked by :func:`megapipe.io.plan_document`)."""
+    """Read a plan document (the parsed plan.yaml, checked by :func:`megapipe.plandir.checked_plan_document`)."""
     best = document["best"]
     stages = best.get("stages") or []
     return PlanExpectation(

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megapipe.errors import ConfigError
-from megapipe.io import plan_document, read_plan
+from megapipe.plandir import checked_plan_document, read_plan
 from megapipe.monitor.drift import PlanExpectation, advice, drifts, expectation
 from megapipe.monitor.aggregate import FAULTED, ROW, VALID, columns_of, finite, flatten, pipeline_fields, rank_fields
 from megapipe.monitor.jsonl import JsonlWriter
@@ -56,7 +56,7 @@ def _plan_document(plan: str | dict | None) -> dict | None:
     """A plan.yaml path (or its parsed dict), checked to be a megapipe-plan/1 document; None passes through."""
     if plan is None:
         return None
-    return read_plan(plan) if isinstance(plan, str) else plan_document(plan)
+    return read_plan(plan) if isinstance(plan, str) else checked_plan_document(plan)
 
 
 class TrainingMonitor:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from megapipe.cost import model_flops_per_token
 from megapipe.errors import MegapipeError
-from megapipe.plan.plans import Plan, SearchOptions, SearchResult
+from megapipe.plan.plans import Plan, SearchResult
+from megapipe.options import SearchOptions
 from megapipe.plan.search import search
 from megapipe.records import ClusterSpec, JobSpec, NodeGroup
 

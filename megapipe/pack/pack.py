@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.pack.curves import CurveCache, Option, job_groups, job_options
 from megapipe.pack.solve import solve_milp
-from megapipe.records import ClusterSpec, JobSpec, PackOptions
+from megapipe.records import ClusterSpec, JobSpec
+from megapipe.options import PackOptions
 
 __all__ = ["Policy", "PackResult", "pack_jobs", "peak_flops"]
 

@@ -21,7 +21,8 @@ from megapipe.partition.coupled import uniform_may_fit, uniform_shape
 from megapipe.plan.bounds import least_in_flight, split_can_fit, water_level
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.per_stage_recompute import RECOMPUTE_OPTIONS, variant
-from megapipe.plan.plans import Candidate, SearchOptions
+from megapipe.plan.plans import Candidate
+from megapipe.options import SearchOptions
 from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
 from megapipe.plan.unit_costs import repeated_sum
 from megapipe.records import GpuSpec, LayerKind

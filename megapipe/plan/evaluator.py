@@ -25,7 +25,8 @@ from megapipe.plan.candidate_bounds import CandidateBounds
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.metrics import plan_record
 from megapipe.plan.per_stage_recompute import per_stage_partition
-from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
+from megapipe.plan.plans import Candidate, Plan, StageUsage
+from megapipe.options import SearchOptions
 from megapipe.cost.memory import dispatcher_transient_bytes
 from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec, Partition, Profile, StageSpec

@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megapipe.emit.emitted import megatron_schedule_warnings
 from megapipe.plan.interval import step_interval
 from megapipe.plan.money import cost_per_million_tokens, training_cost
-from megapipe.plan.plans import Candidate, Plan, SearchOptions, StageUsage
+from megapipe.plan.plans import Candidate, Plan, StageUsage
+from megapipe.options import SearchOptions
 from megapipe.plan.warnings import plan_warnings
 from megapipe.records import ClusterSpec, LayerKind, Partition, Recompute, StageSpec
-from megapipe.schedules import spec
+from megapipe.schedules import megatron_runs, megatron_warnings
 from megapipe.simulate import SimResult
 from megapipe.units import GIB
 
@@ -54,8 +54,8 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
         train = dataclasses.replace(train, recompute_granularity=Recompute(strongest))
         warnings += (f"per-stage recompute {'/'.join(stage_recompute)}: Megatron applies one setting to every "
                      f"stage, so the emitted flags use recompute_granularity={strongest} (fits, runs slower)",)
-    warnings += megatron_schedule_warnings(
-        schedule=cand.schedule, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+    warnings += megatron_warnings(
+        cand.schedule, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
     return Plan(
         parallel=par, train=train, schedule=cand.schedule, num_microbatches=cand.num_microbatches,
@@ -70,7 +70,7 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
                                                         price_per_gpu_hour=cluster.price_per_gpu_hour),
         total_cost=training_cost(total_tokens=options.total_tokens, tokens_per_s=tokens_per_s, num_gpus=num_gpus,
                                  price_per_gpu_hour=cluster.price_per_gpu_hour),
-        what_if=par.pipeline_model_parallel_size > 1 and not spec(cand.schedule).megatron_runs,
+        what_if=not megatron_runs(cand.schedule, pipeline_model_parallel_size=par.pipeline_model_parallel_size),
         feasible=over_gib == 0.0, memory_over_gib=over_gib,
         warnings=warnings, stage_gpus=tuple(spec.gpu_name for spec in specs) if cluster.is_heterogeneous else (),
         stage_recompute=stage_recompute, step_overhead_ms=step_overhead_ms, breakdown=breakdown,

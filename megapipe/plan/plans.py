@@ -1,4 +1,5 @@
-"""Frozen records of the planner: options, one candidate, one evaluated plan, a search result."""
+"""Frozen records of the planner: one candidate, one evaluated plan, a search result (its options are
+:mod:`megapipe.options`'s)."""
 
 from __future__ import annotations
 
@@ -6,50 +7,8 @@ from dataclasses import dataclass, field
 
 from megapipe.records import ParallelSpec, Partition, RuntimeFeatures, TrainSpec
 
-__all__ = ["Reference", "SearchOptions", "Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult",
+__all__ = ["Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult",
            "features_dict"]
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Reference:
-    """A published configuration to evaluate beside the best plan."""
-
-    label: str
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    reported_tokens_per_s_per_gpu: float | None = None
-    source: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SearchOptions:
-    """What to search and how to rank; built from the ``search.*`` config group."""
-
-    objective: str = "throughput"
-    """throughput (tokens/s/GPU, higher first) or cost ($ per 1M tokens, lower first)."""
-    top_k: int = 5
-    allow_cross_node_tp: bool = False
-    bubble_target: tuple[float, float] | None = None
-    """[low, high]: per layout, keep the micro-batch size whose bubble falls in this range."""
-    bubble_warning_range: tuple[float, float] | None = None
-    """Warn when a pipelined plan's bubble falls outside [low, high]; None warns never."""
-    ignore_memory_limit: bool = False
-    """Keep plans that do not fit, flagged infeasible with the GiB over."""
-    max_pipeline_model_parallel_size: int | None = None
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    """Micro-batch sizes tried when train.micro_batch_size is null."""
-    max_virtual_pipeline_model_parallel_size: int = 4
-    per_stage_recompute: bool = False
-    """Also try, per layout with one chunk per rank, a recompute setting per pipeline rank (AdaPipe)."""
-    what_if_schedules: bool = False
-    """Also search the schedules megatron-core cannot run; by default only 1f1b and interleaved_1f1b (and any
-    schedule the user pins) are searched."""
-    context_parallel_min_seq_length: int = 16384
-    """Context parallelism is searched only from this sequence length up (ring attention pays off)."""
-    total_tokens: float = 2.0e12
-    """Tokens of the whole training run, for the total cost."""
-    reference: Reference | None = None
-    """Shown beside the best plan when set (``search.reference``)."""
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Candidate:

@@ -40,7 +40,8 @@ from megapipe.errors import ConfigError, InfeasibleError, MegapipeError, Schedul
 from megapipe.plan.evaluator import Evaluator, Prepared
 from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
 from megapipe.plan.rank import rank_plans, score
-from megapipe.plan.plans import Candidate, Plan, Reference, SearchOptions, SearchResult, SearchStats
+from megapipe.plan.plans import Candidate, Plan, SearchResult, SearchStats
+from megapipe.options import Reference, SearchOptions
 from megapipe.plan.space import Point, Space, enumerate_candidates
 from megapipe.records import Profile
 from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec

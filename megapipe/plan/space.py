@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 from megapipe.errors import ConfigError
 from megapipe.layout import max_stages
-from megapipe.plan.plans import Candidate, SearchOptions
+from megapipe.plan.plans import Candidate
+from megapipe.options import SearchOptions
 from megapipe.features import SEARCHED, feature_problem, feature_variants
 from megapipe.records import (
     SEARCH_DIMENSIONS,

@@ -7,17 +7,20 @@ layers:
   - {name: embedding, kind: embedding, fwd_ms: 0.3, bwd_ms: 0.5, wgrad_ms: 0.25, static_bytes: 4.0e9, act_bytes: 1.0e8}
 ```
 
-Pure: dicts in and out. Reading and writing files is :mod:`megapipe.io`'s.
+Dicts in and out (:func:`profile_to_dict`, :func:`profile_from_dict`); :func:`load_profile` and
+:func:`save_profile` read and write the file (atomically, :mod:`megapipe.files`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 from megapipe.errors import ProfileError
+from megapipe.files import atomic_write_text, dump_yaml, read_yaml
 from megapipe.records import TIME_PARTS, LayerCost, LayerKind, Profile
 
-__all__ = ["FORMAT", "profile_to_dict", "profile_from_dict"]
+__all__ = ["FORMAT", "profile_to_dict", "profile_from_dict", "load_profile", "save_profile"]
 
 FORMAT = "megapipe-profile/1"
 _NUMBERS = ("fwd_ms", "bwd_ms", "wgrad_ms", "static_bytes", "act_bytes")
@@ -87,3 +90,15 @@ def _parts(raw: object, source: str, index: int) -> tuple[float, ...]:
         return tuple(float(raw.get(name, 0.0)) for name in TIME_PARTS)
     except (TypeError, ValueError):
         raise ProfileError(f"{source}: layers[{index}].parts holds a value that is not a number") from None
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    """A ``megapipe-profile/1`` file; ProfileError naming the file otherwise."""
+    path = os.fspath(path)
+    data = read_yaml(path, ProfileError, "profile", "pass a file written by `megapipe profile` or `megapipe plan`")
+    return profile_from_dict(data, source=path)
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> None:
+    """Write ``profile`` atomically as ``megapipe-profile/1``."""
+    atomic_write_text(path, dump_yaml(profile_to_dict(profile), flow=None, width=200))

@@ -25,43 +25,17 @@ import datetime
 import platform
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from megapipe.cost.params import bytes_per_parameter
 from megapipe.errors import ConfigError
+from megapipe.options import MEASURE_DTYPES, MeasureOptions
 from megapipe.records import Profile
 from megapipe.profile.gpt_units import build_gpt, gpt_units, megatron_session
 from megapipe.profile.timing import UnitResult, clock_name, measure_unit, spread
 from megapipe.records import LayerCost, LayerKind, ModelSpec, ParallelSpec, TrainSpec
 
-__all__ = ["MeasureOptions", "measure_profile"]
+__all__ = ["measure_profile"]
 
-_DTYPES = ("bf16", "fp16", "fp32")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MeasureOptions:
-    """How to measure; the model, batch shape and parallel sizes come from the records."""
-
-    device: str = "auto"
-    """cpu, cuda or auto (cuda when available)."""
-    warmup: int = 2
-    """Untimed iterations before timing each unit."""
-    iters: int = 5
-    """Timed iterations; the profile holds their median, the meta their p10/p90."""
-    num_threads: int | None = None
-    """torch.set_num_threads for the CPU path; None leaves torch's default."""
-    dtype: str | None = None
-    """bf16, fp16 or fp32 for weights and activations; None takes train.precision."""
-    seed: int = 1234
-
-    def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"device={self.device!r}; use cpu, cuda or auto")
-        if self.warmup < 0 or self.iters < 1:
-            raise ConfigError(f"warmup={self.warmup}, iters={self.iters}; use warmup >= 0 and iters >= 1")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}; use one of {', '.join(_DTYPES)}")
 
 
 def measure_profile(
@@ -84,8 +58,8 @@ def measure_profile(
     _check_supported(model, parallel)
     device = _resolve_device(options.device)
     dtype_name = options.dtype or train.precision
-    if dtype_name not in _DTYPES:
-        raise ConfigError(f"train.precision={dtype_name!r}; use one of {', '.join(_DTYPES)}")
+    if dtype_name not in MEASURE_DTYPES:
+        raise ConfigError(f"train.precision={dtype_name!r}; use one of {', '.join(MEASURE_DTYPES)}")
     threads = torch.get_num_threads()
     torch.set_num_threads(options.num_threads or threads)
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megapipe.io import atomic_write_bytes
+from megapipe.files import atomic_write_bytes
 from megapipe.units import GIB
 
 __all__ = ["memory_chart", "sweep_chart", "save_png"]

@@ -13,7 +13,8 @@ import os
 
 from megapipe.errors import ConfigError
 from megapipe.units import GIB
-from megapipe.io import FAILED_FILE, PLAN_FILE, atomic_write_bytes, atomic_write_text, read_plan
+from megapipe.files import FAILED_FILE, atomic_write_bytes, atomic_write_text
+from megapipe.plandir import PLAN_FILE, read_plan
 
 __all__ = ["COLUMNS", "find_plans", "gather", "write_tables"]
 

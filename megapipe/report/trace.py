@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from megapipe.io import atomic_write_text
+from megapipe.files import atomic_write_text
 from megapipe.simulate import SimResult
 
 __all__ = ["trace_events", "trace_json", "write_trace"]

@@ -1,8 +1,9 @@
 """The schedule registry: every :class:`~megapipe.schedules.spec.ScheduleSpec`, and ``build``.
 
 Other packages ask here: ``spec(name)`` for what a schedule is, ``build(name, ...)`` for its
-orders, ``peak_in_flight`` for the partition solver's in-flight counts, ``megatron_schedule``
-for what megatron-core runs by default.
+orders, ``peak_in_flight`` for the partition solver's in-flight counts, and whether megatron-core runs a
+schedule: ``megatron_runs``, ``megatron_substitute`` (what it runs instead), ``megatron_warnings`` (what a plan
+says about it) and ``megatron_schedule`` (what it runs by default). No other module answers these.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ __all__ = [
     "rank_in_flight_profiles",
     "chunks_per_rank",
     "megatron_schedule",
+    "megatron_runs",
+    "megatron_substitute",
+    "megatron_warnings",
 ]
 
 SPECS: dict[ScheduleName, ScheduleSpec] = {
@@ -59,6 +63,40 @@ def megatron_schedule(num_model_chunks: int) -> ScheduleName:
     """What ``get_forward_backward_func()`` picks: interleaved with virtual stages, else 1F1B."""
     return next(item.name for item in SPECS.values()
                 if item.megatron_runs and (item.fixed_chunks is None) == (num_model_chunks > 1))
+
+
+def megatron_runs(name: str, *, pipeline_model_parallel_size: int) -> bool:
+    """Whether megatron-core runs schedule ``name`` as simulated at this pipeline size (any schedule without
+    pipelining is one stage's forward and backward)."""
+    return pipeline_model_parallel_size == 1 or spec(name).megatron_runs
+
+
+def megatron_substitute(name: str, *, pipeline_model_parallel_size: int,
+                        virtual_pipeline_model_parallel_size: int) -> ScheduleName | None:
+    """What megatron-core runs with a plan of schedule ``name`` when it lacks that schedule: its layout with
+    1F1B, or interleaved 1F1B when there are virtual stages; None when it runs ``name`` itself."""
+    if megatron_runs(name, pipeline_model_parallel_size=pipeline_model_parallel_size):
+        return None
+    return megatron_schedule(spec(name).chunks_per_rank(virtual_pipeline_model_parallel_size))
+
+
+def megatron_warnings(name: str, *, pipeline_model_parallel_size: int,
+                      virtual_pipeline_model_parallel_size: int) -> tuple[str, ...]:
+    """What a plan of schedule ``name`` says when megatron-core cannot run it: what it runs instead, and a V
+    placement its layout cannot express; empty when it runs it."""
+    substitute = megatron_substitute(name, pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                     virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
+    if substitute is None:
+        return ()
+    runs = "interleaved 1F1B" if substitute == ScheduleName.interleaved_1f1b else "1F1B"
+    warnings = [f"what-if: megatron-core has no {name} schedule, so this plan cannot run as simulated "
+                f"(Megatron would run its layout with {runs}); no Megatron arguments are written for it"]
+    if spec(name).placement is Placement.v:
+        warnings.append(
+            f"the {name} V-shaped placement (rank r holds stages r and 2P-1-r) cannot be expressed: "
+            "Megatron's layout puts stage s on rank s mod pipeline_model_parallel_size"
+        )
+    return tuple(warnings)
 
 
 def _check_virtual(item: ScheduleSpec, virtual: int) -> None:

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 from megapipe.errors import InfeasibleError, MegapipeError
 from megapipe.plan.evaluator import Evaluator
-from megapipe.plan.plans import Candidate, Plan, SearchOptions
+from megapipe.plan.plans import Candidate, Plan
+from megapipe.options import SearchOptions
 from megapipe.plan.search import search
 from megapipe.records import ClusterSpec, NodeGroup, ParallelSpec, RuntimeSpec, TrainSpec
-from megapipe.schedules import ScheduleName
+from megapipe.schedules import megatron_schedule
 from megapipe.validation.runs import PublishedRun
 
 __all__ = ["Resolved", "run_cluster", "resolve", "predict", "predict_step_s", "predict_times", "candidate_of"]
@@ -57,9 +58,9 @@ def run_cluster(run: PublishedRun, base: ClusterSpec, runtime: RuntimeSpec | Non
 
 
 def _schedule(parallel: ParallelSpec) -> str:
-    if parallel.pipeline_model_parallel_size > 1 and parallel.virtual_pipeline_model_parallel_size > 1:
-        return ScheduleName.interleaved_1f1b
-    return ScheduleName.one_f_one_b
+    """What megatron-core runs for the run's sizes (interleaving needs pipelining)."""
+    chunks = parallel.virtual_pipeline_model_parallel_size if parallel.pipeline_model_parallel_size > 1 else 1
+    return megatron_schedule(chunks)
 
 
 def candidate_of(parallel: ParallelSpec, train: TrainSpec) -> Candidate:

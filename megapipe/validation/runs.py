@@ -8,17 +8,23 @@ planner choose them (:mod:`megapipe.validation.predict`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megapipe.config.validate import check_model, positive_int
 from megapipe.cost.precision import FP8_RECIPES, PRECISIONS
 from megapipe.errors import ConfigError
+from megapipe.files import read_yaml
+from megapipe.schedules import MEGATRON_SCHEDULES
+from megapipe.schedules import spec as schedule_spec
 from megapipe.records import Activation, ModelSpec, ParallelSpec, Recompute, RuntimeFeatures, TrainSpec
 
-__all__ = ["PublishedRun", "RUNS_FORMAT", "UNKNOWABLE", "runs_from_document"]
+__all__ = ["PublishedRun", "RUNS_FORMAT", "UNKNOWABLE", "PUBLIC_RUNS", "runs_from_document", "read_runs"]
 
 RUNS_FORMAT = "megapipe-runs/1"
+PUBLIC_RUNS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "public_runs.yaml")
+"""The public measured runs shipped with megapipe (``megapipe validate``'s default data set)."""
 UNKNOWABLE = ("micro_batch_size", "virtual_pipeline_model_parallel_size", "sequence_parallel",
               "recompute_granularity")
 """Settings a run may leave unstated; the planner picks them."""
@@ -166,9 +172,10 @@ def _run(node: Mapping, index: int) -> PublishedRun:
     if precision == "fp8" and recipe not in FP8_RECIPES:
         raise ConfigError(f"{where}.train.fp8_recipe={recipe!r}; an fp8 run names one of {', '.join(FP8_RECIPES)}")
     schedule = parallel.get("schedule")
-    if schedule not in (None, "1f1b", "interleaved_1f1b"):
-        raise ConfigError(f"{where}.parallel.schedule={schedule!r}; a run states 1f1b or interleaved_1f1b (or nothing)")
-    if schedule == "interleaved_1f1b" and vp is not None and int(vp) < 2:
+    if schedule is not None and schedule not in MEGATRON_SCHEDULES:
+        raise ConfigError(f"{where}.parallel.schedule={schedule!r}; a run states one of megatron-core's schedules "
+                          f"({', '.join(MEGATRON_SCHEDULES)}) or nothing")
+    if schedule is not None and schedule_spec(schedule).fixed_chunks is None and vp is not None and int(vp) < 2:
         raise ConfigError(f"{where}: schedule=interleaved_1f1b with virtual_pipeline_model_parallel_size={vp}; "
                           "interleaving needs 2 or more")
     spec = ParallelSpec(
@@ -232,3 +239,11 @@ def runs_from_document(document: object, *, source: str = "runs") -> tuple[Publi
     if duplicates:
         raise ConfigError(f"{source}: run ids {duplicates} appear more than once; make them unique")
     return parsed
+
+
+def read_runs(path: str | os.PathLike = PUBLIC_RUNS):
+    """The measured runs of a ``megapipe-runs/1`` file (:mod:`megapipe.validation.runs`)."""
+    path = str(path)
+    document = read_yaml(path, ConfigError, "runs",
+                          "give a megapipe-runs/1 file (megapipe/data/public_runs.yaml shows the layout)")
+    return runs_from_document(document, source=path)

@@ -1,0 +1,140 @@
+"""A plan directory: the ``megapipe-plan/1`` file and the files that start the run, written and read in one place.
+
+:func:`plan_emission` is the one sequence every command that emits a plan runs: each pipeline rank's GPU
+type, whether megatron-core runs the schedule (:func:`megapipe.schedules.megatron_warnings`), the arguments
+for every front end (:func:`megapipe.emit.emit`), the launch script and, on a mixed cluster, the GPU type of
+each node rank. :func:`write_plan` adds the plan document (:func:`megapipe.plan.document.plan_document`)
+and writes the directory; ``megapipe plan`` and ``megapipe pack`` (one per job) use it, ``megapipe
+partition`` and ``megapipe replan`` the emission alone. :func:`read_plan` reads plan.yaml back, checked.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from megapipe.emit import BridgeKeys, Emitted, emit, launch_script, node_rank_lines
+from megapipe.errors import ConfigError
+from megapipe.files import atomic_write_text, dump_yaml, make_executable, read_yaml
+from megapipe.placement import default_gpus, gpus_by_name, node_gpus, node_ranges
+from megapipe.plan.document import FORMAT as PLAN_FORMAT
+from megapipe.plan.document import plan_document
+from megapipe.plan.plans import SearchResult
+from megapipe.profile.format import save_profile
+from megapipe.records import ClusterSpec, GpuSpec, ModelSpec, ParallelSpec, Partition, Profile, TrainSpec
+from megapipe.schedules import megatron_warnings
+
+__all__ = ["PLAN_FILE", "PLAN_TEXT_FILES", "LAUNCH_FILE", "NODE_RANKS_FILE", "Emission", "plan_emission",
+           "WrittenPlan", "write_plan", "checked_plan_document", "read_plan"]
+
+PLAN_FILE = "plan.yaml"
+"""The plan document's name inside a plan directory."""
+PLAN_TEXT_FILES = (("megatron_args.txt", "megatron_command"), ("bridge_overrides.txt", "bridge_command"),
+                   ("nemo2_overrides.txt", "nemo2_command"), ("nemo1_overrides.txt", "nemo1_command"))
+"""The plan dir's argument files and the :class:`~megapipe.emit.Emitted` line each holds: one shell-quoted
+line, to paste after the command or to use as ``eval "torchrun ... pretrain_gpt.py $(cat megatron_args.txt)"``."""
+LAUNCH_FILE = "launch_megatron.sh"
+NODE_RANKS_FILE = "node_ranks.txt"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Emission:
+    """A plan in the front ends' own terms, or why it has none."""
+
+    gpus: tuple[GpuSpec, ...]
+    """The GPU type of each pipeline rank."""
+    emitted: Emitted | None
+    """None for a plan megatron-core cannot run (:attr:`what_if`)."""
+    what_if: tuple[str, ...] = ()
+    """Why there are no arguments: what megatron-core would run instead."""
+    launch: str = ""
+    """launch_megatron.sh."""
+    nodes: tuple[str, ...] = ()
+    """The GPU type of each node rank on a mixed cluster; empty otherwise."""
+
+
+def plan_emission(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec,
+                  cluster: ClusterSpec, stage_gpus: Sequence[str] = (), bridge_keys: str = "flat",
+                  title: str = "") -> Emission:
+    """Place, check and emit one plan: ``stage_gpus`` names each pipeline rank's GPU type (a mixed plan's
+    placement), else the cluster's default placement."""
+    pp = parallel.pipeline_model_parallel_size
+    gpus = gpus_by_name(cluster, stage_gpus) if stage_gpus else default_gpus(cluster, pp)
+    nodes = node_gpus(cluster, parallel, [gpu.name for gpu in gpus]) if cluster.is_heterogeneous else ()
+    what_if = megatron_warnings(partition.schedule, pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size)
+    if what_if:
+        return Emission(gpus=gpus, emitted=None, what_if=what_if, nodes=nodes)
+    emitted = emit(partition=partition, parallel=parallel, train=train, model=model, gpus=gpus,
+                   bridge_keys=BridgeKeys(bridge_keys), domain_gpus=cluster.domain_gpus)
+    launch = launch_script(emitted, gpus_per_node=cluster.gpus_per_node, num_nodes=cluster.num_nodes,
+                           vocab_size=model.vocab_size, node_ranges=node_ranges(nodes) if nodes else "",
+                           title=title or f"megapipe plan of {model.name} on {cluster.name}")
+    return Emission(gpus=gpus, emitted=emitted, launch=launch, nodes=nodes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WrittenPlan:
+    emission: Emission
+    document: dict
+    """plan.yaml's content."""
+    files: tuple[str, ...]
+
+
+def write_plan(directory: str, *, result: SearchResult, model: ModelSpec, cluster: ClusterSpec, inputs: Mapping,
+               bridge_keys: str = "flat", title: str = "", extra: Mapping | None = None) -> WrittenPlan:
+    """The best plan of ``result`` emitted, documented and written: plan.yaml, and for a plan megatron-core
+    runs its argument files, launch script and (mixed clusters) the node ranks' GPU types, and profile.yaml
+    when the plan was costed with a measured profile; each atomically."""
+    best = result.best
+    emission = plan_emission(partition=best.partition, parallel=best.parallel, train=best.train, model=model,
+                             cluster=cluster, stage_gpus=best.stage_gpus, bridge_keys=bridge_keys, title=title)
+    sections = dict(extra or {})
+    if emission.nodes:
+        sections["node_gpus"] = list(emission.nodes)
+    document = plan_document(result=result, model=model, cluster=cluster, inputs=dict(inputs),
+                             emitted=emission.emitted.as_dict() if emission.emitted else None, extra=sections)
+    profile = result.profile if isinstance(result.profile, Profile) else None
+    files = _write_files(directory, document=document, emission=emission, profile=profile)
+    return WrittenPlan(emission=emission, document=document, files=files)
+
+
+def _write_files(directory: str, *, document: dict, emission: Emission, profile: Profile | None) -> tuple[str, ...]:
+    os.makedirs(directory, exist_ok=True)
+    written = [os.path.join(directory, PLAN_FILE)]
+    atomic_write_text(written[0], dump_yaml(document))
+    if emission.emitted is not None:
+        for name, attribute in PLAN_TEXT_FILES:
+            written.append(os.path.join(directory, name))
+            atomic_write_text(written[-1], getattr(emission.emitted, attribute) + "\n")
+        written.append(os.path.join(directory, LAUNCH_FILE))
+        atomic_write_text(written[-1], emission.launch)
+        make_executable(written[-1])
+    if emission.nodes:
+        written.append(os.path.join(directory, NODE_RANKS_FILE))
+        atomic_write_text(written[-1], node_rank_lines(emission.nodes))
+    if profile is not None:
+        written.append(os.path.join(directory, "profile.yaml"))
+        save_profile(profile, written[-1])
+    return tuple(written)
+
+
+def checked_plan_document(document: object, *, source: str = "plan") -> dict:
+    """``document`` when it is a ``megapipe-plan/1`` mapping with a best plan; ConfigError naming the fix."""
+    if not isinstance(document, Mapping) or document.get("format") != PLAN_FORMAT or "best" not in document:
+        got = document.get("format") if isinstance(document, Mapping) else type(document).__name__
+        raise ConfigError(f"{source}: format={got!r} is not a {PLAN_FORMAT} document; pass the {PLAN_FILE} "
+                          "that `megapipe plan` wrote")
+    return dict(document)
+
+
+def read_plan(path: str | os.PathLike) -> dict:
+    """The ``megapipe-plan/1`` document in ``path`` (a plan.yaml, or a directory holding one)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, PLAN_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"plan {path!r} does not exist; pass the {PLAN_FILE} that `megapipe plan` wrote")
+    fix = f"restore the {PLAN_FILE} that `megapipe plan` wrote"
+    return checked_plan_document(read_yaml(path, ConfigError, "plan", fix), source=path)
