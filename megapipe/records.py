@@ -629,3 +629,9 @@ class JobSpec:
     max_micro_batch_size: int | None = None
     arrives_later: bool = False
     """Held out of the first packing; the what-if adds it."""
+    template: ParallelSpec = field(default_factory=lambda: ParallelSpec())
+    """The settings every plan of the job keeps (overlap flags, the distributed optimizer, runtime features), as
+    the command line gave them; its sizes are searched unless ``fixed`` pins them."""
+    fixed: tuple[tuple[str, object], ...] = ()
+    """The search dimensions the command line pins for every job (``parallel.*``, ``schedule=``,
+    ``train.micro_batch_size``, ``train.recompute_granularity``), by name."""

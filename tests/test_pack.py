@@ -210,3 +210,27 @@ def test_bad_input_gets_one_line_and_exit_2(overrides, message, capsys, tmp_path
     assert main(["pack", *overrides, f"output.dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_the_users_settings_reach_every_job(tmp_path):
+    """parallel.*, schedule=, train.* and search.* hold for every job, as they do for `plan`."""
+    one = "jobs.jobs=[{name: a, model: llama3_8b, global_batch_size: 64}, {name: b, model: llama3_8b, global_batch_size: 32}]"
+    code = main(["pack", "cluster.num_nodes=4", one, "pack.node_counts=[1,2,4]", "pack.baseline_pipeline_sizes=[2]",
+                 "parallel.tensor_model_parallel_size=2", "schedule=1f1b", "train.recompute_granularity=full",
+                 "search.max_pipeline_model_parallel_size=2", f"output.dir={tmp_path}"])
+    assert code == 0
+    doc = yaml.safe_load((tmp_path / "pack.yaml").read_text())
+    for assignment in doc["assignments"]:
+        assert assignment["tensor_model_parallel_size"] == 2
+        assert assignment["schedule"] == "1f1b" and assignment["virtual_pipeline_model_parallel_size"] in (None, 1)
+        assert assignment["recompute_granularity"] == "full" and assignment["pipeline_model_parallel_size"] <= 2
+        args = (tmp_path / "jobs" / assignment["job"] / "megatron_args.txt").read_text()
+        assert "--recompute-granularity full" in args
+
+
+def test_a_job_that_cannot_take_a_pinned_setting_is_named(capsys, tmp_path):
+    one = "jobs.jobs=[{name: a, model: llama3_8b, global_batch_size: 64}, {name: odd, model: qwen3_30b_a3b, global_batch_size: 32}]"
+    assert main(["pack", one, "parallel.tensor_model_parallel_size=8", f"output.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "error: jobs.jobs[1] (odd):" in err and "tensor_model_parallel_size=8" in err
+    assert len(err.splitlines()) == 1

@@ -9,6 +9,7 @@ arguments and launch script, Megatron-Bridge and NeMo overrides), for the job on
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -18,18 +19,18 @@ from omegaconf import DictConfig, OmegaConf
 from megapipe.commands.common import console, print_json
 from megapipe.config import Setup, recorded_inputs, to_setup
 from megapipe.config.jobs import jobs_of, pack_options
+from megapipe.errors import ConfigError
 from megapipe.files import atomic_write_text, dump_yaml
 from megapipe.plandir import write_plan
 from megapipe.pack import gain, pack_jobs
 from megapipe.pack.curves import sub_cluster
+from megapipe.pack.document import pack_document, utilisation_gain
 from megapipe.plan.interval import format_share, throughput_interval
+from megapipe.plan.space import pinned_problem
 from megapipe.records import JobSpec
 from megapipe.options import PackOptions
 
 __all__ = ["PackJob", "prepare", "run"]
-
-FORMAT = "megapipe-pack/1"
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PackJob:
@@ -41,75 +42,23 @@ class PackJob:
 
 def prepare(cfg: DictConfig) -> PackJob:
     setup = to_setup(cfg, search=True)
+    if setup.profile_path:
+        raise ConfigError(f"profile={setup.profile_path} holds one model's layer costs; pack costs each job with the "
+                          "cost model (plan one model with a profile in `megapipe plan profile=...`)")
     jobs = jobs_of(cfg, setup.cluster)
+    for index, spec in enumerate(jobs):
+        problem = pinned_problem(model=spec.model, cluster=setup.cluster, fixed=dict(spec.fixed),
+                                 options=setup.search)
+        if problem:
+            raise ConfigError(f"jobs.jobs[{index}] ({spec.name}): {problem}, or drop the job")
     inputs = recorded_inputs(cfg)
     inputs["jobs"] = OmegaConf.to_container(cfg.jobs, resolve=True)
     inputs["pack"] = OmegaConf.to_container(cfg.pack, resolve=True)
-    return PackJob(setup=setup, jobs=jobs, options=pack_options(cfg, jobs), inputs=inputs)
-
-
-def _number(value: float) -> float | None:
-    return None if value is None or not math.isfinite(value) else float(f"{value:.6g}")
-
-
-def _assignment(job: JobSpec, option, cluster, finish: float | None) -> dict:
-    plan, par = option.plan, option.plan.parallel
-    return {
-        "job": job.name, "model": job.model.name, "gpu": cluster.node_groups[option.group].gpu.name,
-        "nodes": option.nodes, "gpus": option.nodes * cluster.gpus_per_node,
-        "tensor_model_parallel_size": par.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
-        "virtual_pipeline_model_parallel_size": par.virtual_pipeline_model_parallel_size,
-        "context_parallel_size": par.context_parallel_size, "data_parallel_size": par.data_parallel_size,
-        "expert_model_parallel_size": par.expert_model_parallel_size,
-        "micro_batch_size": plan.train.micro_batch_size, "recompute_granularity": plan.train.recompute_granularity.value,
-        "schedule": str(plan.schedule), "layout": plan.layout,
-        "tokens_per_s": _number(option.tokens_per_s), **_rate_interval(option),
-        "model_tflops_per_s": _number(option.flops_per_s / 1e12),
-        "hours_for_budget_alone_on_these_nodes": _number(option.hours(job.tokens)) if job.tokens > 0 else None,
-        "finish_h_with_repacking": _number(finish) if finish is not None else None,
-        "deadline_hours": job.deadline_hours,
-    }
-
-
-def _rate_interval(option) -> dict:
-    """tokens/s's interval (from the plan's step-time interval), when the runtime carries intervals."""
-    interval = throughput_interval(option.plan.step_time_interval)
-    return {} if interval is None else {"tokens_per_s_interval": list(interval)}
-
-
-def _curves(result, cluster) -> list[dict]:
-    """Every job's curve: its best plan's throughput at each (GPU type, node count) the packing chose among."""
-    out = []
-    for spec, options in zip(result.jobs, result.curve_options):
-        points = [{"gpu": cluster.node_groups[option.group].gpu.name, "nodes": option.nodes,
-                   "tokens_per_s": _number(option.tokens_per_s), **_rate_interval(option),
-                   "step_time_s": _number(option.plan.step_time_s),
-                   **({"step_time_interval": list(option.plan.step_time_interval)}
-                      if option.plan.step_time_interval else {})}
-                  for option in options]
-        out.append({"job": spec.name, "points": points})
-    return out
-
-
-def _policy(policy, objective: str, packed) -> dict:
-    return {
-        "name": policy.name, "note": policy.note,
-        "weighted_model_pflops_per_s": _number(policy.weighted_flops_per_s / 1e15),
-        "utilisation_at_start": _number(policy.utilisation),
-        "average_utilisation": _number(policy.average_utilisation) if policy.average_utilisation is not None else None,
-        "makespan_h": _number(policy.makespan_h), "deadlines_met": policy.deadlines_met,
-        "met_weight": _number(policy.met_weight), "repacks": policy.repacks, "restarts": policy.restarts,
-        "gain_of_packing": _number(gain(packed, policy, objective)),
-        "utilisation_gain_of_packing": _number(_utilisation_gain(packed, policy)),
-    }
-
-
-def _utilisation_gain(packed, policy) -> float | None:
-    ours, theirs = packed.average_utilisation, policy.average_utilisation
-    if ours is None or theirs is None or theirs <= 0:
-        return None
-    return ours / theirs - 1
+    options = pack_options(cfg, jobs)
+    pinned = setup.fixed.get("pipeline_model_parallel_size")
+    if pinned is not None:  # the fixed-depth baseline keeps the depth every job is pinned to
+        options = dataclasses.replace(options, baseline_pipeline_sizes=(int(pinned),))
+    return PackJob(setup=setup, jobs=jobs, options=options, inputs=inputs)
 
 
 def _write_job_dirs(directory: str, job: PackJob, jobs, options, cluster) -> list[str]:
@@ -127,30 +76,9 @@ def _write_job_dirs(directory: str, job: PackJob, jobs, options, cluster) -> lis
 
 def run(job: PackJob, *, directory: str) -> None:
     cluster = job.setup.cluster
-    result = pack_jobs(job.jobs, cluster, job.options)
+    result = pack_jobs(job.jobs, cluster, job.options, search=job.setup.search)
     packed = result.packed
-    finish = packed.finish_h or (None,) * len(result.jobs)
-    document = {
-        "format": FORMAT,
-        "cluster": {"name": cluster.name, "gpus_per_node": cluster.gpus_per_node,
-                    "node_groups": [{"gpu": g.gpu.name, "num_nodes": g.num_nodes} for g in cluster.node_groups]},
-        "objective": result.objective,
-        "assignments": [_assignment(spec, option, cluster, end)
-                        for spec, option, end in zip(result.jobs, packed.options, finish)],
-        "policies": [_policy(policy, result.objective, packed) for policy in (packed, *result.baselines)],
-        "curves": _curves(result, cluster),
-        "decision": {"planner_searches": result.searches},
-        "inputs": job.inputs,
-    }
-    if result.what_if is not None:
-        document["what_if"] = {
-            "event": result.what_if.name, "moves": result.moves, "moved": list(result.moved),
-            "node_groups": [{"gpu": g.gpu.name, "num_nodes": n} for g, n in
-                            zip(cluster.node_groups, result.what_if_capacities)],
-            "assignments": [_assignment(spec, option, cluster, None)
-                            for spec, option in zip(result.what_if_jobs, result.what_if.options)],
-            "policy": _policy(result.what_if, result.objective, result.what_if),
-        }
+    document = pack_document(result, cluster, inputs=job.inputs)
     atomic_write_text(os.path.join(directory, "pack.yaml"), dump_yaml(document))
     written = [os.path.join(directory, "pack.yaml")]
     written += _write_job_dirs(directory, job, result.jobs, packed.options, cluster)
@@ -203,11 +131,11 @@ def _print(result, cluster, directory: str) -> None:
                    "deadlines met", "packing's gain", "note"):
         policies.add_column(column, overflow="fold")
     for policy in (packed, *result.baselines):
-        utilisation_gain = _utilisation_gain(packed, policy)
+        share = utilisation_gain(packed, policy)
         objective_gain = gain(packed, policy, result.objective)
         gains = (f"{objective_gain:+.1f} weight" if result.objective == "deadlines" else f"{objective_gain:+.1%}")
-        if utilisation_gain is not None:
-            gains += f" ({utilisation_gain:+.1%} utilisation)"
+        if share is not None:
+            gains += f" ({share:+.1%} utilisation)"
         policies.add_row(policy.name, f"{policy.weighted_flops_per_s / 1e15:,.1f}", f"{policy.utilisation:.1%}",
                          "-" if policy.average_utilisation is None else f"{policy.average_utilisation:.1%}",
                          "-" if not math.isfinite(policy.makespan_h) else f"{policy.makespan_h:.1f}",

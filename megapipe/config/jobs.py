@@ -6,10 +6,12 @@ node group has, token budgets and deadlines the objective needs, node counts, we
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
-from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from megapipe.config.validate import positive_int
 from megapipe.errors import ConfigError
@@ -30,25 +32,29 @@ def _number(key: str, value, *, low: float = 0.0, allow_zero: bool = False) -> f
     return float(value)
 
 
-def _model_and_train(job: DictConfig, where: str, cache: dict):
-    """The job's model preset and training record, composed once per (model, sequence, precision, batch)."""
+def _job_setup(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
+    """The job as ``megapipe plan`` would take it: the command line's config with the job's model, global batch,
+    sequence length and precision in place (composed once per distinct job shape)."""
     from megapipe.config.build import compose, conf_dir, to_setup
 
     presets = sorted(name[:-5] for name in os.listdir(os.path.join(conf_dir(), "model"))
                      if name.endswith(".yaml") and not name.startswith("_"))
     if str(job.model) not in presets:
         raise ConfigError(f"{where}.model={job.model!r} is no hydra_conf/model option; use one of {presets}")
-    key = (str(job.model), job.get("seq_length"), str(job.get("precision") or "bf16"), int(job.global_batch_size))
+    precision = job.get("precision")
+    key = (str(job.model), job.get("seq_length"), precision, int(job.global_batch_size))
     if key not in cache:
-        overrides = [f"model={job.model}", f"train.global_batch_size={job.global_batch_size}",
-                     f"train.precision={job.get('precision') or 'bf16'}"]
-        if job.get("seq_length") is not None:
-            overrides.append(f"train.seq_length={job.seq_length}")
+        job_cfg = copy.deepcopy(cfg)
+        with open_dict(job_cfg):
+            job_cfg.model = compose([f"model={job.model}"]).model
+            job_cfg.train.global_batch_size = int(job.global_batch_size)
+            job_cfg.train.seq_length = job.get("seq_length")
+            if precision is not None:
+                job_cfg.train.precision = str(precision)
         try:
-            setup = to_setup(compose(overrides), search=True)
+            cache[key] = to_setup(job_cfg, search=True)
         except ConfigError as error:
             raise ConfigError(f"{where}: {error}") from None
-        cache[key] = (setup.model, setup.train)
     return cache[key]
 
 
@@ -78,12 +84,13 @@ def jobs_of(cfg: DictConfig, cluster: ClusterSpec) -> tuple[JobSpec, ...]:
         gpu = job.get("gpu")
         if gpu is not None and str(gpu) not in gpus:
             raise ConfigError(f"{where}.gpu={gpu!r} is no GPU type of cluster {cluster.name!r}; use one of {gpus}")
-        model, train = _model_and_train(job, where, cache)
+        setup = _job_setup(cfg, job, where, cache)
         tokens = job.get("tokens")
         deadline = job.get("deadline_hours")
         mbs = job.get("max_micro_batch_size")
         jobs.append(JobSpec(
-            name=name, model=model, train=train,
+            name=name, model=setup.model, train=setup.train, template=setup.parallel,
+            fixed=tuple(sorted(setup.fixed.items())),
             tokens=0.0 if tokens is None else _number(f"{where}.tokens", tokens),
             deadline_hours=None if deadline is None else _number(f"{where}.deadline_hours", deadline),
             weight=_number(f"{where}.weight", job.get("weight", 1.0)),

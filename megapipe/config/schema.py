@@ -363,7 +363,8 @@ class JobConfig:
     global_batch_size: int = MISSING
     seq_length: Optional[int] = None
     """null: the model's default training length."""
-    precision: str = "bf16"
+    precision: Optional[str] = None
+    """bf16, fp8, ...; null: the command line's train.precision (bf16 by default)."""
     tokens: Optional[float] = None
     """The token budget (training tokens to process); null: none (throughput only)."""
     deadline_hours: Optional[float] = None

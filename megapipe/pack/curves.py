@@ -58,7 +58,8 @@ def sub_cluster(cluster: ClusterSpec, group: int, nodes: int) -> ClusterSpec:
                                node_groups=(NodeGroup(gpu=cluster.node_groups[group].gpu, num_nodes=nodes),))
 
 
-_CURVE_OPTIONS = SearchOptions(top_k=1)
+CURVE_OPTIONS = SearchOptions(top_k=1)
+"""A curve point needs the best plan only."""
 
 
 @dataclass
@@ -66,22 +67,27 @@ class CurveCache:
     """Search results by (job shape, group, nodes, fixed pipeline size); None where nothing fits."""
 
     cluster: ClusterSpec
-    options: SearchOptions = _CURVE_OPTIONS
+    options: SearchOptions = CURVE_OPTIONS
     found: dict = field(default_factory=dict)
     searches: int = 0
 
     def best(self, job: JobSpec, group: int, nodes: int, pipeline: int | None = None) -> SearchResult | None:
-        key = (job.model, job.train, job.max_micro_batch_size, group, nodes, pipeline)
+        key = (job.model, job.train, job.max_micro_batch_size, job.template, job.fixed, group, nodes, pipeline)
         if key not in self.found:
             self.searches += 1
             options = self.options
             if job.max_micro_batch_size is not None:
                 sizes = tuple(size for size in options.micro_batch_sizes if size <= job.max_micro_batch_size)
                 options = dataclasses.replace(options, micro_batch_sizes=sizes or (job.max_micro_batch_size,))
-            fixed = {} if pipeline is None else {"pipeline_model_parallel_size": pipeline}
+            fixed = dict(job.fixed)
+            if pipeline is not None:
+                fixed["pipeline_model_parallel_size"] = pipeline
+            template = job.template
             try:
                 self.found[key] = search(model=job.model, cluster=sub_cluster(self.cluster, group, nodes),
-                                         train=job.train, fixed=fixed, options=options)
+                                         train=job.train, fixed=fixed, options=options, template=template,
+                                         use_distributed_optimizer=template.use_distributed_optimizer,
+                                         microbatch_group_size_per_vp_stage=template.microbatch_group_size_per_vp_stage)
             except MegapipeError:
                 self.found[key] = None
         return self.found[key]

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megapipe.errors import ConfigError, InfeasibleError
-from megapipe.pack.curves import CurveCache, Option, job_groups, job_options
+from megapipe.pack.curves import CURVE_OPTIONS, CurveCache, Option, job_groups, job_options
 from megapipe.pack.solve import solve_milp
 from megapipe.records import ClusterSpec, JobSpec
-from megapipe.options import PackOptions
+from megapipe.options import PackOptions, SearchOptions
 
 __all__ = ["Policy", "PackResult", "pack_jobs", "peak_flops"]
 
@@ -266,10 +266,11 @@ def _capacities_after_failure(cluster: ClusterSpec, options: PackOptions) -> tup
 
 
 def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOptions, *,
-              baselines: bool = True) -> PackResult:
-    """Pack the jobs present now (not ``arrives_later``); then the baselines, then the what-if."""
+              baselines: bool = True, search: SearchOptions = CURVE_OPTIONS) -> PackResult:
+    """Pack the jobs present now (not ``arrives_later``); then the baselines, then the what-if. ``search``: the
+    planner's options every job's searches use (``search.*``; each curve point keeps its best plan)."""
     started = time.perf_counter()
-    cache = CurveCache(cluster=cluster)
+    cache = CurveCache(cluster=cluster, options=dataclasses.replace(search, top_k=1))
     capacities = tuple(group.num_nodes for group in cluster.node_groups)
     present = tuple(job for job in jobs if not job.arrives_later)
     curves = [job_options(job, cache, node_counts=options.node_counts) for job in present]

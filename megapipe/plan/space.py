@@ -46,7 +46,7 @@ from megapipe.records import (
 )
 from megapipe.schedules import MEGATRON_SCHEDULES, SCHEDULE_NAMES, ScheduleName, spec
 
-__all__ = ["DIMENSIONS", "Point", "Space", "divisors", "enumerate_candidates"]
+__all__ = ["DIMENSIONS", "Point", "Space", "divisors", "enumerate_candidates", "pinned_problem"]
 
 DIMENSIONS = SEARCH_DIMENSIONS
 """The searched dimensions; data_parallel_size is what is left of the GPUs."""
@@ -146,6 +146,25 @@ def _check_fixed(fixed: Mapping[str, object], options: SearchOptions) -> None:
         raise ConfigError(f"schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULE_NAMES)} or all")
 
 
+def pinned_problem(*, model: ModelSpec, cluster: ClusterSpec, fixed: Mapping[str, object],
+                   options: SearchOptions) -> str | None:
+    """Why Megatron's shape rules reject a pinned tensor-parallel size for this model on this cluster, in one
+    line naming the fix; None when they do not."""
+    tp = fixed.get("tensor_model_parallel_size")
+    if tp is None:
+        return None
+    tp = int(tp)
+    if model.num_attention_heads % tp or model.num_query_groups % tp:
+        valid = [d for d in divisors(model.num_query_groups) if model.num_attention_heads % d == 0]
+        return (f"parallel.tensor_model_parallel_size={tp} does not divide {model.name}'s "
+                f"{model.num_attention_heads} attention heads and {model.num_query_groups} query groups; use one of "
+                f"{valid}")
+    if not options.allow_cross_node_tp and cluster.domain_gpus % tp:
+        return (f"parallel.tensor_model_parallel_size={tp} spans NVLink domains of {cluster.domain_gpus} GPUs; use a "
+                f"divisor of {cluster.domain_gpus} or search.allow_cross_node_tp=true")
+    return None
+
+
 def _tp_values(model: ModelSpec, cluster: ClusterSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
     if "tensor_model_parallel_size" in fixed:
         return (int(fixed["tensor_model_parallel_size"]),)
@@ -185,6 +204,9 @@ def enumerate_candidates(
     """
     fixed = dict(fixed or {})
     _check_fixed(fixed, options)
+    problem = pinned_problem(model=model, cluster=cluster, fixed=fixed, options=options)
+    if problem:
+        raise ConfigError(problem)
     variants = feature_variants(template.features, model=model, free=frozenset(SEARCHED) - set(fixed))
     world = cluster.num_gpus
     pruned: Counter = Counter()
