@@ -89,16 +89,25 @@ class ReplanOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PackOptions:
-    """How ``megapipe pack`` packs: objective, node counts, baselines, what-ifs (see hydra_conf PackConfig)."""
+    """How ``megapipe pack`` packs: objective, node counts, baselines, what-ifs (the ``pack`` settings; PackConfig is made from it)."""
 
     objective: str = "throughput"
+    """throughput (weighted model FLOP/s), makespan (finish every token budget soonest) or deadlines."""
     node_counts: tuple[int, ...] | None = None
+    """Node counts a job may get; None: the powers of two up to each group's size, and its size."""
     baseline_pipeline_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """The fixed-depth baseline packs every job at one of these pipeline sizes (the best one is shown)."""
     fail_group: str | None = None
+    """What-if: the node group of this GPU type fails; the jobs are repacked with the fewest moves."""
     fail_nodes: int = 0
+    """What-if: this many nodes of the largest group fail."""
     arrive: bool = False
+    """What-if: the jobs marked arrives_later join; repacked with the fewest moves."""
     move_slack: float = 0.0
+    """What-if: accept an objective this fraction below the optimum to move fewer jobs."""
     restart_minutes: float = 10.0
+    """When a job finishes, the others are repacked onto the nodes; a job that changes nodes idles this long
+    (checkpoint, restart, reload)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

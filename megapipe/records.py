@@ -34,7 +34,27 @@ __all__ = [
     "StageSpec",
     "SEARCH_DIMENSIONS",
     "TIME_PARTS",
+    "BOUNDS",
+    "bounded",
 ]
+
+BOUNDS = {
+    "positive": "a finite number > 0",
+    "non_negative": "a finite number >= 0",
+    "fraction": "a share of the whole in (0, 1]",
+    "fraction_or_zero": "0 or a share of the whole in (0, 1]",
+}
+"""What a record field's ``bound`` metadata allows; :func:`megapipe.config.validate.check_bounds` enforces it."""
+
+
+def bounded(bound: str, default=None, *, required: bool = False):
+    """A record field with its bound (a :data:`BOUNDS` key) beside its default, so docs, default and bound of a
+    setting sit in one declaration."""
+    if bound not in BOUNDS:
+        raise ValueError(f"bound {bound!r} is not one of {sorted(BOUNDS)}")
+    if required:
+        return field(metadata={"bound": bound})
+    return field(default=default, metadata={"bound": bound})
 
 SEARCH_DIMENSIONS = (
     "tensor_model_parallel_size",
@@ -94,12 +114,14 @@ class ModelSpec:
 
     name: str
     num_layers: int
+    """Decoder layers (Megatron num_layers)."""
     hidden_size: int
     num_attention_heads: int
     num_query_groups: int
     """Key/value heads (GQA); equal to num_attention_heads for plain multi-head attention."""
     ffn_hidden_size: int
     vocab_size: int
+    """Padded vocabulary size, as Megatron builds it."""
     seq_length: int
     """Default training sequence length in tokens."""
     activation: Activation = Activation.swiglu
@@ -184,29 +206,29 @@ class GpuSpec:
     cluster files); the time model is :mod:`megapipe.cost.kernels`."""
 
     name: str
-    bf16_tflops: float
+    bf16_tflops: float = bounded("positive", required=True)
     """Dense (no sparsity) bf16 peak, TFLOP/s."""
-    hbm_gbytes_per_s: float
+    hbm_gbytes_per_s: float = bounded("positive", required=True)
     """HBM bandwidth, GB/s (10^9 bytes)."""
-    memory_gib: float
-    usable_memory_fraction: float = 0.9
+    memory_gib: float = bounded("positive", required=True)
+    usable_memory_fraction: float = bounded("fraction", 0.9)
     """Share of memory_gib left for megapipe's accounting after the CUDA context, NCCL buffers and fragmentation."""
-    fp8_tflops: float = 0.0
+    fp8_tflops: float = bounded("non_negative", 0.0)
     """Dense FP8 tensor-core peak, TFLOP/s; 0 where the GPU has no FP8 tensor cores (A100)."""
-    num_sms: int = 0
+    num_sms: int = bounded("non_negative", 0)
     """Streaming multiprocessors (compute units): GEMM tiles and attention blocks are spread over them; 0 ignores
     tile and wave quantization."""
-    matmul_efficiency: float = 0.75
+    matmul_efficiency: float = bounded("fraction", 0.75)
     """Sustained fraction of bf16_tflops on large bf16 GEMMs (maximum achievable matmul FLOPS)."""
-    fp8_matmul_efficiency: float = 0.0
+    fp8_matmul_efficiency: float = bounded("fraction_or_zero", 0.0)
     """Sustained fraction of fp8_tflops on large FP8 GEMMs; 0 means matmul_efficiency."""
-    attention_efficiency: float = 0.5
+    attention_efficiency: float = bounded("fraction", 0.5)
     """Flash/fused attention forward, achieved fraction of bf16_tflops on the causal half of the square."""
-    attention_backward_efficiency: float = 0.4
+    attention_backward_efficiency: float = bounded("fraction", 0.4)
     """The same for its backward (five s x s matmuls against the forward's two)."""
-    bandwidth_efficiency: float = 0.8
+    bandwidth_efficiency: float = bounded("fraction", 0.8)
     """Achieved fraction of hbm_gbytes_per_s for memory-bound kernels."""
-    kernel_overhead_us: float = 3.0
+    kernel_overhead_us: float = bounded("non_negative", 3.0)
     """Fixed time per kernel (launch, prologue, tail), microseconds."""
     architecture: str = ""
     """ampere, hopper, blackwell, cdna3 or cpu: what the GPU's kernels and Megatron's startup checks depend on."""
@@ -227,10 +249,12 @@ class LinkSpec:
     """One network level: NVLink, InfiniBand, RoCEv2, xGMI, Ethernet."""
 
     kind: str
-    bandwidth_gbytes_per_s: float
+    """nvlink, infiniband, roce, xgmi, ethernet, loopback."""
+    bandwidth_gbytes_per_s: float = bounded("positive", required=True)
     """Per GPU, one direction, GB/s (10^9 bytes)."""
-    latency_us: float
-    bandwidth_efficiency: float = 0.8
+    latency_us: float = bounded("non_negative", required=True)
+    """Per step of a ring collective (and per p2p message), microseconds."""
+    bandwidth_efficiency: float = bounded("fraction", 0.8)
     """Achieved share of bandwidth_gbytes_per_s by large NCCL collectives (nccl-tests bus bandwidth)."""
 
 

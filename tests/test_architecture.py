@@ -88,7 +88,9 @@ def test_one_gib_constant():
         for node in ast.walk(ast.parse(path.read_text())):
             power = (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)
                      and getattr(node.left, "value", None) in (2, 1024) and getattr(node.right, "value", None) in (30, 3))
-            if power or (isinstance(node, ast.Constant) and node.value == 2**30):
+            shift = (isinstance(node, ast.BinOp) and isinstance(node.op, ast.LShift)
+                     and getattr(node.left, "value", None) == 1 and getattr(node.right, "value", None) == 30)
+            if power or shift or (isinstance(node, ast.Constant) and node.value == 2**30):
                 where.append(module)
     assert where == ["megapipe.units"]
 
@@ -106,3 +108,35 @@ def test_the_core_is_pure():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("print", "open"):
                 offenders[module].append(f"{node.func.id}()")
     assert dict(offenders) == {}
+
+
+def test_every_option_type_lives_in_options():
+    where = sorted(f"{module}.{node.name}" for module, path in MODULES.items() if module != "megapipe.options"
+                   for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.ClassDef) and node.name.endswith("Options"))
+    assert where == []
+
+
+def test_config_imports_nothing_from_plan():
+    where = sorted(f"{module} -> {dep}" for module, path in MODULES.items() if module.startswith("megapipe.config")
+                   for dep in _imports(module, path) if dep.startswith("megapipe.plan"))
+    assert where == []
+
+
+def test_the_schema_is_made_from_the_records():
+    """Each setting is declared once: the Hydra schemas of the record-backed groups hold every record field,
+    with the record's default unless the schema declares it null (searched) or replaces it."""
+    import dataclasses
+
+    from megapipe.config import schema
+    from megapipe.options import PackOptions
+    from megapipe.records import GpuSpec, LinkSpec, ModelSpec, RuntimeSpec
+
+    for made, record in ((schema.ModelConfig, ModelSpec), (schema.GpuConfig, GpuSpec), (schema.LinkConfig, LinkSpec),
+                         (schema.RuntimeConfig, RuntimeSpec), (schema.PackConfig, PackOptions)):
+        names = [item.name for item in dataclasses.fields(made)]
+        assert names[:len(dataclasses.fields(record))] == [item.name for item in dataclasses.fields(record)]
+    source = (PACKAGE / "config" / "schema.py").read_text()
+    for name in ("ModelConfig", "GpuConfig", "LinkConfig", "RuntimeConfig", "ParallelConfig", "TrainConfig",
+                 "PackConfig"):
+        assert f"class {name}" not in source, f"{name} is declared by hand beside its record"

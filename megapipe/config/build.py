@@ -34,6 +34,7 @@ from megapipe.cost.precision import PRECISIONS, check_precision, default_fp8_rec
 from megapipe.config.validate import (
     MAX_GPUS,
     MAX_LAYERS,
+    MAX_SIZE,
     MAX_SEQ_LENGTH,
     check_cluster,
     check_gpu,
@@ -539,7 +540,7 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
     )
     train = TrainSpec(
         micro_batch_size=positive_int("train.micro_batch_size", values["micro_batch_size"], upper=1 << 20),
-        global_batch_size=positive_int("train.global_batch_size", cfg.train.global_batch_size, upper=1 << 30),
+        global_batch_size=positive_int("train.global_batch_size", cfg.train.global_batch_size, upper=MAX_SIZE),
         seq_length=model.seq_length if cfg.train.seq_length is None else positive_int(
             "train.seq_length", cfg.train.seq_length, upper=MAX_SEQ_LENGTH),
         recompute_granularity=Recompute(_enum_value(values["recompute_granularity"])),

@@ -13,7 +13,7 @@ import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from megapipe.config.validate import positive_int
+from megapipe.config.validate import MAX_SIZE, positive_int
 from megapipe.errors import ConfigError
 from megapipe.records import ClusterSpec, JobSpec
 from megapipe.options import PackOptions
@@ -80,7 +80,7 @@ def jobs_of(cfg: DictConfig, cluster: ClusterSpec) -> tuple[JobSpec, ...]:
         names.add(name)
         if not job.get("model"):
             raise ConfigError(f"{where} has no model; name a hydra_conf/model option")
-        positive_int(f"{where}.global_batch_size", job.get("global_batch_size"), upper=1 << 30)
+        positive_int(f"{where}.global_batch_size", job.get("global_batch_size"), upper=MAX_SIZE)
         gpu = job.get("gpu")
         if gpu is not None and str(gpu) not in gpus:
             raise ConfigError(f"{where}.gpu={gpu!r} is no GPU type of cluster {cluster.name!r}; use one of {gpus}")

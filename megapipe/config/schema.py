@@ -9,14 +9,18 @@ takes a documented default elsewhere (``megapipe.config.build``).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from megapipe.records import Activation, AttentionBackend, Recompute
+from megapipe.options import PackOptions
+from megapipe.records import GpuSpec, LinkSpec, ModelSpec, ParallelSpec, RuntimeFeatures, RuntimeSpec, TrainSpec
 
 __all__ = [
     "ModelConfig",
@@ -36,6 +40,69 @@ __all__ = [
 ]
 
 
+def _schema_type(hint):
+    """A record's annotation as OmegaConf types: X | None -> Optional[X], tuple[X, ...] -> List[X], a (key, value)
+    table tuple[tuple[str, V], ...] -> Dict[str, V], (key, low, high) -> Dict[str, List[float]]."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        inner = [arg for arg in args if arg is not type(None)]
+        return Optional[_schema_type(inner[0])] if len(inner) == 1 else Any
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = args[0]
+        if typing.get_origin(item) is tuple:
+            values = typing.get_args(item)[1:]
+            return Dict[str, values[0]] if len(values) == 1 else Dict[str, List[values[0]]]
+        return List[_schema_type(item)]
+    return hint
+
+
+def _is_table(hint) -> bool:
+    return typing.get_origin(hint) is dict or typing.get_origin(_schema_type(hint)) is dict
+
+
+def record_schema(name: str, sources: Sequence[tuple[type, Sequence[str] | None]], *, nullable: Sequence[str] = (),
+                  nullable_required: bool = False, replace: dict | None = None, extra: dict | None = None) -> type:
+    """A Hydra schema made from the records' fields, so each setting is declared (and documented) once.
+
+    ``sources`` lists (record, field names or None for all); ``nullable`` fields become Optional with default
+    null (searched, or derived at the boundary); ``nullable_required`` makes the record's required fields
+    nullable too (filled from a file), else they are MISSING; ``replace`` gives a field another (type, default);
+    ``extra`` adds settings no record holds (they are documented where the schema is declared).
+    """
+    replace, extra, nullable = dict(replace or {}), dict(extra or {}), set(nullable)
+    specs = []
+    for record, names in sources:
+        hints = typing.get_type_hints(record)
+        wanted = {f.name: f for f in dataclasses.fields(record)}
+        for key in (names if names is not None else list(wanted)):
+            item = wanted[key]
+            kind = _schema_type(hints[key])
+            if key in replace:
+                kind, default = replace.pop(key)
+            elif item.default is not dataclasses.MISSING:
+                default = item.default
+            elif item.default_factory is not dataclasses.MISSING:
+                default = item.default_factory()
+            else:
+                default = None if nullable_required and key != "name" else MISSING
+            if key in nullable or (default is None and typing.get_origin(kind) is not typing.Union):
+                kind, default = (kind if typing.get_origin(kind) is typing.Union else Optional[kind]), None
+            if isinstance(default, tuple):  # tuples become lists; (key, value) tables become maps
+                default = ({k: (list(v) if len(v) > 1 else v[0]) for k, *v in default} if _is_table(hints[key])
+                           else list(default))
+            value = (field(default_factory=lambda d=default: type(d)(d)) if isinstance(default, (list, dict))
+                     else field(default=default))
+            specs.append((key, kind, value))
+    if replace:
+        raise TypeError(f"{name}: replace names no record field: {sorted(replace)}")
+    for key, (kind, default) in extra.items():
+        specs.append((key, kind, field(default_factory=lambda d=default: type(d)(d)) if isinstance(default, (list, dict))
+                      else field(default=default)))
+    schema = dataclasses.make_dataclass(name, specs)
+    schema.__module__ = __name__
+    return schema
+
+
 class Objective(str, enum.Enum):
     throughput = "throughput"
     cost = "cost"
@@ -46,111 +113,20 @@ class OutputFormat(str, enum.Enum):
     json = "json"
 
 
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    num_layers: Optional[int] = None
-    """Decoder layers (Megatron num_layers)."""
-    hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_query_groups: Optional[int] = None
-    """Key/value heads for GQA; null means num_attention_heads (plain MHA)."""
-    ffn_hidden_size: Optional[int] = None
-    vocab_size: Optional[int] = None
-    """Padded vocabulary size as Megatron builds it."""
-    seq_length: Optional[int] = None
-    """Default training sequence length, tokens."""
-    activation: Activation = Activation.swiglu
-    untie_embeddings_and_output_weights: bool = True
-    position_embedding_type: str = "rope"
-    """rope, learned_absolute or none."""
-    attention_backend: AttentionBackend = AttentionBackend.flash
-    kv_channels: Optional[int] = None
-    """Per-head dimension; null means hidden_size / num_attention_heads."""
-    mtp_num_layers: int = 0
-    max_position_embeddings: Optional[int] = None
-    """Positions the embedding table (learned_absolute) or RoPE covers; null means seq_length."""
-    rotary_base: float = 10000.0
-    """RoPE theta (Megatron --rotary-base)."""
-    norm_epsilon: float = 1e-5
-    qk_layernorm: bool = False
-    """Per-head query/key norms (Qwen3); with MLA the q and kv latent norms."""
-    add_bias_linear: Optional[bool] = None
-    """Biases on every linear layer; null follows the activation (gelu: yes; swiglu, squared_relu: no)."""
-    # mixture of experts (megatron-core TransformerConfig names; Megatron-LM flags in the comments)
-    num_moe_experts: int = 0
-    """Routed experts per MoE layer (--num-experts); 0 is a dense model."""
-    moe_ffn_hidden_size: Optional[int] = None
-    """One routed expert's FFN width; null means ffn_hidden_size."""
-    moe_router_topk: int = 2
-    moe_shared_expert_intermediate_size: int = 0
-    """All shared experts of a layer together (n_shared x width); 0 means none."""
-    moe_layer_freq: Any = 1
-    """Megatron's --moe-layer-freq: an int N (layer i is MoE when i % N == 0) or a 0/1 list per layer."""
-    moe_router_score_function: str = "softmax"
-    moe_router_pre_softmax: bool = False
-    moe_router_enable_expert_bias: bool = False
-    moe_router_num_groups: Optional[int] = None
-    moe_router_group_topk: Optional[int] = None
-    moe_router_topk_scaling_factor: Optional[float] = None
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    # multi-latent attention (DeepSeek-V2/V3)
-    multi_latent_attention: bool = False
-    q_lora_rank: Optional[int] = None
-    """Query latent width; null projects queries directly."""
-    kv_lora_rank: int = 512
-    qk_head_dim: int = 128
-    """Per-head query/key width without RoPE (HF qk_nope_head_dim)."""
-    qk_pos_emb_head_dim: int = 64
-    """Per-head RoPE width (HF qk_rope_head_dim)."""
-    v_head_dim: int = 128
-    source: str = ""
-    """Where the values come from (the model's config.json, paper or recipe)."""
-    not_modelled: List[str] = field(default_factory=list)
-    """Features of the real model that megapipe neither costs nor emits (GPT-OSS's sliding window and
-    attention sinks); every plan of the model warns about each."""
-    config_path: Optional[str] = None
-    """A Hugging Face config.json read from disk (model=hf); its values fill the null fields."""
+ModelConfig = record_schema(
+    "ModelConfig", [(ModelSpec, None)], nullable_required=True,
+    replace={"moe_layer_freq": (Any, 1)},
+    extra={"source": (str, ""), "config_path": (Optional[str], None)},
+)
+"""model/: ModelSpec's fields. A required field may be null when model.config_path (a Hugging Face
+config.json) fills it. moe_layer_freq is Megatron's --moe-layer-freq: an int N (layer i is MoE when i % N == 0)
+or a 0/1 list per layer. source: where the values come from. config_path: model=hf's config.json."""
 
+GpuConfig = record_schema("GpuConfig", [(GpuSpec, None)])
+"""A GPU type: GpuSpec's fields."""
 
-@dataclass
-class GpuConfig:
-    name: str = MISSING
-    bf16_tflops: float = MISSING
-    """Dense bf16 peak, TFLOP/s (datasheet)."""
-    hbm_gbytes_per_s: float = MISSING
-    """HBM bandwidth, GB/s."""
-    memory_gib: float = MISSING
-    usable_memory_fraction: float = 0.9
-    fp8_tflops: float = 0.0
-    """Dense FP8 peak, TFLOP/s; 0 = no FP8 tensor cores."""
-    num_sms: int = 0
-    """Streaming multiprocessors (compute units), for tile and wave quantization; 0 ignores it."""
-    matmul_efficiency: float = 0.75
-    """Sustained fraction of bf16_tflops on large GEMMs (maximum achievable matmul FLOPS)."""
-    fp8_matmul_efficiency: float = 0.0
-    """The same for FP8 GEMMs; 0 means matmul_efficiency."""
-    attention_efficiency: float = 0.5
-    """Flash attention forward, achieved fraction of bf16_tflops (causal FLOPs)."""
-    attention_backward_efficiency: float = 0.4
-    bandwidth_efficiency: float = 0.8
-    kernel_overhead_us: float = 3.0
-    """Fixed time per kernel, microseconds."""
-    architecture: str = ""
-    """ampere, hopper, blackwell, cdna3 or cpu."""
-
-
-@dataclass
-class LinkConfig:
-    kind: str = MISSING
-    """nvlink, infiniband, roce, xgmi, ethernet, loopback."""
-    bandwidth_gbytes_per_s: float = MISSING
-    """Per GPU, one direction, GB/s."""
-    latency_us: float = MISSING
-    """Per step of a ring collective (and per p2p message), microseconds."""
-    bandwidth_efficiency: float = 0.8
-    """Achieved share of the bandwidth by large NCCL collectives (nccl-tests bus bandwidth)."""
+LinkConfig = record_schema("LinkConfig", [(LinkSpec, None)])
+"""A network level: LinkSpec's fields."""
 
 
 @dataclass
@@ -177,106 +153,43 @@ class ClusterConfig:
     """The CPU that launches the kernels: x86, or grace (GB200/GB300)."""
 
 
-@dataclass
-class RuntimeConfig:
-    """The training framework's time beyond the kernels (fitted on public runs by `megapipe validate`)."""
+RuntimeConfig = record_schema("RuntimeConfig", [(RuntimeSpec, None)])
+"""runtime/: RuntimeSpec's fields; its (key, value) tables are YAML maps."""
 
-    name: str = MISSING
-    microbatch_overhead_ms: float = 0.0
-    """Per model chunk and microbatch, forward + backward."""
-    step_overhead_ms: float = 0.0
-    """Per optimizer step."""
-    gemm_efficiency_scale: float = 1.0
-    """For GPU architectures gemm_efficiency_by_architecture does not list."""
-    gemm_efficiency_by_architecture: Dict[str, float] = field(default_factory=dict)
-    """GEMM scale per GPU architecture (ampere, hopper, blackwell, ...)."""
-    attention_efficiency_scale: float = 1.0
-    attention_efficiency_by_architecture: Dict[str, float] = field(default_factory=dict)
-    comm_efficiency_scale: float = 1.0
-    host_kernel_us: float = 5.0
-    """CPU time per launched kernel (Python, PyTorch, Transformer Engine, the launch), microseconds."""
-    host_kernel_us_by_cpu: Dict[str, float] = field(default_factory=dict)
-    """host_kernel_us per host CPU (cluster.host_cpu: x86, grace)."""
-    host_sync_us: float = 20.0
-    """GPU idle per device-to-host sync, microseconds."""
-    moe_dropless_imbalance: float = 1.0
-    """Busiest EP rank's tokens over the mean under dropless aux-loss routing (fitted)."""
-    step_time_intervals: Dict[str, List[float]] = field(default_factory=dict)
-    """kind -> [low, high] of measured/predicted - 1 over held-out published runs (written by megapipe validate)."""
+_PARALLEL_FEATURES = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "overlap_moe_expert_parallel_comm",
+                      "delay_wgrad_compute", "moe_shared_expert_overlap")
+ParallelConfig = record_schema(
+    "ParallelConfig",
+    [(ParallelSpec, [f.name for f in dataclasses.fields(ParallelSpec) if f.name not in ("data_parallel_size",
+                                                                                         "features")]),
+     (RuntimeFeatures, _PARALLEL_FEATURES)],
+    nullable=("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+              "context_parallel_size", "sequence_parallel", "expert_model_parallel_size",
+              "expert_tensor_parallel_size", "moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
+              "overlap_moe_expert_parallel_comm", "delay_wgrad_compute"),
+)
+"""parallel/: ParallelSpec's sizes (data_parallel_size is what is left) and RuntimeFeatures' EP-communication
+fields. A null size or feature is searched by `megapipe plan` and is Megatron's default elsewhere: TP, PP, CP, EP
+1, VP none, sequence parallelism with TP > 1, ETP = TP, the alltoall dispatcher without overlap; flex's backend
+alone implies moe_token_dispatcher_type=flex, and delay_wgrad_compute follows the EP overlap."""
 
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: Optional[int] = None
-    pipeline_model_parallel_size: Optional[int] = None
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    """Model chunks per pipeline rank; 1 means no interleaving."""
-    context_parallel_size: Optional[int] = None
-    sequence_parallel: Optional[bool] = None
-    use_distributed_optimizer: bool = True
-    microbatch_group_size_per_vp_stage: Optional[int] = None
-    tp_comm_overlap: bool = False
-    """Megatron's --tp-comm-overlap (Transformer Engine userbuffers; needs sequence parallelism)."""
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
-    expert_model_parallel_size: Optional[int] = None
-    """EP (MoE models): experts spread over this many ranks; null is searched (1 for dense models)."""
-    expert_tensor_parallel_size: Optional[int] = None
-    """ETP: each expert split this many ways; null is searched for MoE models (TP elsewhere, Megatron's default)."""
-    moe_token_dispatcher_type: Optional[str] = None
-    """MoE: alltoall, allgather or flex (DeepEP or HybridEP, moe_flex_dispatcher_backend); null is searched by
-    `megapipe plan` (alltoall, flex/deepep, flex/hybridep) and is Megatron's alltoall elsewhere."""
-    moe_flex_dispatcher_backend: Optional[str] = None
-    """With flex: deepep or hybridep; setting it alone implies moe_token_dispatcher_type=flex."""
-    overlap_moe_expert_parallel_comm: Optional[bool] = None
-    """MoE: run each EP all-to-all under another microbatch's compute (combined 1F1B; needs PP=1 or VP >= 2 and
-    CUDA_DEVICE_MAX_CONNECTIONS > 1); null is searched by `megapipe plan`, off elsewhere."""
-    delay_wgrad_compute: Optional[bool] = None
-    """With EP overlap: the weight gradients run under the backward all-to-all; null follows the overlap."""
-    moe_shared_expert_overlap: bool = False
-    """MoE with shared experts, alltoall dispatcher, without EP overlap: shared experts under the dispatch."""
-
-
-@dataclass
-class TrainConfig:
-    micro_batch_size: Optional[int] = None
-    global_batch_size: int = 256
-    """Sequences per optimizer step."""
-    seq_length: Optional[int] = None
-    """Tokens per sequence; null means model.seq_length."""
-    recompute_granularity: Optional[Recompute] = None
-    """none, selective or full (emitted to Megatron as null, selective, full)."""
-    precision: str = "bf16"
-    """bf16, fp16, fp32, or fp8 (bf16 with FP8 GEMMs on H100/H200/B200/B300)."""
-    fp8_recipe: Optional[str] = None
-    """With fp8: delayed, tensorwise, mxfp8 (Blackwell) or blockwise; null picks mxfp8 on Blackwell, else tensorwise."""
-    fp8_param_gather: Optional[bool] = None
-    """With fp8: keep GEMM weights in FP8 and all-gather them so (--fp8-param-gather); null means on with the
-    distributed optimizer (as Megatron-Bridge's FP8 recipes), off for blockwise."""
-    num_microbatches: Optional[int] = None
-    """Derived as global_batch_size / (micro_batch_size * data-parallel size); set it only to simulate directly."""
-    total_tokens: float = 2.0e12
-    """Tokens of the whole training run, for the cost estimate."""
-    moe_load_imbalance: Optional[float] = None
-    """MoE routing assumption: the busiest expert-parallel rank gets this many times the mean tokens (1.0 =
-    balanced, what aux-loss-free or forced balancing aims for); null is the runtime's moe_dropless_imbalance,
-    dropless aux-loss routing as published runs measured it."""
-    moe_permute_fusion: Optional[bool] = None
-    """MoE: Transformer Engine's fused permute/unpermute; null is on in `megapipe plan` (as every
-    Megatron-Bridge MoE recipe sets it), Megatron's off elsewhere."""
-    moe_router_fusion: Optional[bool] = None
-    """MoE: Transformer Engine's fused router kernels; null as moe_permute_fusion."""
-    cuda_graph_impl: Optional[str] = None
-    """none, local or transformer_engine; null is searched with cuda_graph_scope for MoE plans, none elsewhere."""
-    cuda_graph_scope: Optional[List[str]] = None
-    """What the graphs capture: attn, mlp, moe, moe_router, moe_preprocess, full_iteration; [] the whole layer."""
-    recompute_modules: Optional[List[str]] = None
-    """With recompute_granularity=selective: core_attn, moe_act, layernorm, mla_up_proj, mlp, moe,
-    shared_experts; null is Megatron's [core_attn]."""
-    moe_router_force_load_balancing: bool = False
-    """Route evenly regardless of the router (a benchmarking switch of Megatron's): balanced experts."""
-    moe_router_padding_for_quantization: bool = False
-    """FP8 MoE: pad each expert's tokens in the routing map (sent through the all-to-all) instead of after it."""
+TrainConfig = record_schema(
+    "TrainConfig",
+    [(TrainSpec, None), (RuntimeFeatures, [f.name for f in dataclasses.fields(RuntimeFeatures)
+                                           if f.name not in _PARALLEL_FEATURES])],
+    nullable=("micro_batch_size", "seq_length", "recompute_granularity", "fp8_recipe", "fp8_param_gather",
+              "moe_permute_fusion", "moe_router_fusion", "cuda_graph_impl", "cuda_graph_scope", "recompute_modules"),
+    replace={"global_batch_size": (int, 256)},
+    extra={"num_microbatches": (Optional[int], None), "total_tokens": (float, 2.0e12)},
+)
+"""train/: TrainSpec's fields and RuntimeFeatures' kernel and graph fields. A null micro_batch_size or
+recompute_granularity is searched; a null seq_length is model.seq_length; a null fp8_recipe is mxfp8 on
+Blackwell, else tensorwise; a null fp8_param_gather is on with the distributed optimizer (as Megatron-Bridge's
+FP8 recipes), off for blockwise; moe_permute_fusion and moe_router_fusion null are on in `megapipe plan` (as
+every Megatron-Bridge MoE recipe), Megatron's off elsewhere; cuda_graph_impl and cuda_graph_scope null are
+searched for MoE plans, none elsewhere; recompute_modules null is Megatron's [core_attn]. num_microbatches is
+derived (global_batch_size / (micro_batch_size x DP)); set it only to simulate directly. total_tokens: the
+whole run's tokens, for the cost estimate."""
 
 
 @dataclass
@@ -388,27 +301,8 @@ class JobsConfig:
     jobs: List[JobConfig] = field(default_factory=list)
 
 
-@dataclass
-class PackConfig:
-    """`megapipe pack`: objective, node counts, baselines and what-ifs."""
-
-    objective: str = "throughput"
-    """throughput (weighted model FLOP/s), makespan (finish every token budget soonest) or deadlines."""
-    node_counts: Optional[List[int]] = None
-    """Node counts a job may get; null: the powers of two up to each group's size, and its size."""
-    baseline_pipeline_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    """The fixed-depth baseline packs every job at one of these pipeline sizes (the best one is shown)."""
-    fail_group: Optional[str] = None
-    """What-if: the node group of this GPU type fails; the jobs are repacked with the fewest moves."""
-    fail_nodes: int = 0
-    """What-if: this many nodes of the largest group fail."""
-    arrive: bool = False
-    """What-if: the jobs marked arrives_later join; repacked with the fewest moves."""
-    move_slack: float = 0.0
-    """What-if: accept an objective this fraction below the optimum to move fewer jobs."""
-    restart_minutes: float = 10.0
-    """When a job finishes, the others are repacked onto the nodes; a job that changes nodes idles this long
-    (checkpoint, restart, reload)."""
+PackConfig = record_schema("PackConfig", [(PackOptions, None)])
+"""pack: PackOptions' fields."""
 
 
 @dataclass

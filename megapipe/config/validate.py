@@ -15,14 +15,16 @@ from omegaconf import DictConfig, ListConfig
 
 import megapipe.config.schema as schema
 from megapipe.errors import ConfigError
-from megapipe.records import ClusterSpec, GpuSpec, LinkSpec, ModelSpec
+from megapipe.records import BOUNDS, ClusterSpec, GpuSpec, LinkSpec, ModelSpec
 
-__all__ = ["MAX_LAYERS", "MAX_GPUS", "MAX_SEQ_LENGTH", "check_known_keys", "check_model", "check_gpu",
-           "check_link", "check_cluster", "positive_int", "check_fraction_pair", "check_experts"]
+__all__ = ["MAX_LAYERS", "MAX_GPUS", "MAX_SIZE", "MAX_SEQ_LENGTH", "check_known_keys", "check_model", "check_gpu",
+           "check_link", "check_bounds", "check_cluster", "positive_int", "check_fraction_pair", "check_experts"]
 
 MAX_LAYERS = 4096
 """More decoder layers than any published model by 10x; the partition solver's tables grow with it."""
 MAX_GPUS = 1 << 20
+MAX_SIZE = 10**9
+"""The largest width, vocabulary or batch megapipe takes (a thousand times any published model's)."""
 MAX_SEQ_LENGTH = 1 << 24
 
 _GROUPS = {
@@ -83,20 +85,10 @@ def positive_int(key: str, value, *, upper: int | None = None, fix: str = "") ->
     return int(value)
 
 
-def _positive(key: str, value) -> None:
-    if not (_finite(value) and value > 0):
-        raise ConfigError(f"{key}={value!r} must be a finite number > 0")
-
-
-def _fraction(key: str, value) -> None:
-    if not (_finite(value) and 0 < value <= 1):
-        raise ConfigError(f"{key}={value!r} must lie in (0, 1] (a share of the whole)")
-
-
 def check_model(model: ModelSpec) -> None:
     positive_int("model.num_layers", model.num_layers, upper=MAX_LAYERS)
     for key in ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
-        positive_int(f"model.{key}", getattr(model, key), upper=1 << 30)
+        positive_int(f"model.{key}", getattr(model, key), upper=MAX_SIZE)
     positive_int("model.seq_length", model.seq_length, upper=MAX_SEQ_LENGTH)
     if model.kv_channels is not None:
         positive_int("model.kv_channels", model.kv_channels, upper=1 << 20)
@@ -133,7 +125,7 @@ def check_experts(model: ModelSpec) -> None:
     topk = model.moe_router_topk
     if not (isinstance(topk, int) and 1 <= topk <= experts):
         raise ConfigError(f"model.moe_router_topk={topk!r} must lie in [1, num_moe_experts={experts}]")
-    positive_int("model.moe_ffn_hidden_size", model.expert_ffn_hidden_size, upper=1 << 30)
+    positive_int("model.moe_ffn_hidden_size", model.expert_ffn_hidden_size, upper=MAX_SIZE)
     if model.moe_shared_expert_intermediate_size < 0:
         raise ConfigError(f"model.moe_shared_expert_intermediate_size={model.moe_shared_expert_intermediate_size} "
                           "must be >= 0 (0: no shared experts)")
@@ -161,27 +153,25 @@ def check_experts(model: ModelSpec) -> None:
                           f"{model.num_layers}; give one 0/1 per layer")
 
 
-def _non_negative(key: str, value) -> None:
-    if not (_finite(value) and value >= 0):
-        raise ConfigError(f"{key}={value!r} must be a finite number >= 0")
+def check_bounds(record, where: str) -> None:
+    """Every field of ``record`` that declares a bound (:data:`megapipe.records.BOUNDS`) within it."""
+    for item in dataclasses.fields(record):
+        bound = item.metadata.get("bound")
+        if bound is None:
+            continue
+        value = getattr(record, item.name)
+        ok = _finite(value) and {"positive": value > 0, "non_negative": value >= 0, "fraction": 0 < value <= 1,
+                                 "fraction_or_zero": 0 <= value <= 1}[bound]
+        if not ok:
+            raise ConfigError(f"{where}.{item.name}={value!r} must be {BOUNDS[bound]}")
 
 
 def check_gpu(gpu: GpuSpec, where: str = "cluster.gpu") -> None:
-    for key in ("bf16_tflops", "hbm_gbytes_per_s", "memory_gib"):
-        _positive(f"{where}.{key}", getattr(gpu, key))
-    for key in ("usable_memory_fraction", "matmul_efficiency", "attention_efficiency",
-                "attention_backward_efficiency", "bandwidth_efficiency"):
-        _fraction(f"{where}.{key}", getattr(gpu, key))
-    for key in ("fp8_tflops", "kernel_overhead_us", "num_sms"):
-        _non_negative(f"{where}.{key}", getattr(gpu, key))
-    if gpu.fp8_matmul_efficiency:
-        _fraction(f"{where}.fp8_matmul_efficiency", gpu.fp8_matmul_efficiency)
+    check_bounds(gpu, where)
 
 
 def check_link(link: LinkSpec, where: str) -> None:
-    _positive(f"{where}.bandwidth_gbytes_per_s", link.bandwidth_gbytes_per_s)
-    _non_negative(f"{where}.latency_us", link.latency_us)
-    _fraction(f"{where}.bandwidth_efficiency", link.bandwidth_efficiency)
+    check_bounds(link, where)
 
 
 def check_cluster(cluster: ClusterSpec) -> None:

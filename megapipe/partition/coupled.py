@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megapipe.records import LayerCost, LayerKind, StageSpec
+from megapipe.units import GIB
 
 __all__ = ["UniformShape", "uniform_shape", "rank_stages", "rank_peaks", "uniform_split", "uniform_fits",
            "uniform_may_fit", "milp_split", "bottleneck_of",
@@ -487,7 +488,7 @@ class _RunModel:
         count, num_stages, pp = len(layers), len(ranks), len(stages)
         self.runs, self.num_stages, self.count = runs, num_stages, count
         num_runs = len(runs)
-        gib = float(1 << 30)  # bytes in GiB keep the memory rows well scaled
+        gib = GIB  # bytes in GiB keep the memory rows well scaled
         starts = np.array([start for start, _ in runs])
         lengths = np.array([length for _, length in runs], dtype=float)
         values = {

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megapipe.partition.minmax import SegmentCost
+from megapipe.partition.minmax import SegmentCost, time_stop
 
 __all__ = ["least_utilisation_split", "utilisation_weights"]
 
@@ -64,15 +64,7 @@ def least_utilisation_split(
         if found is None:
             # min(memory reach, time reach): the time reach is computed inline, for every window position.
             cost = costs[stage]
-            prefix, scale, offset = cost.prefix, cost.scale, cost.offset
-            base = prefix[start]
-            stop = bisect_right(prefix, base + (bottleneck - offset) / scale, start, num_entries + 1) - 1
-            if stop < start:
-                stop = start
-            while stop < num_entries and scale * (prefix[stop + 1] - base) + offset <= bottleneck:
-                stop += 1
-            while stop > start and scale * (prefix[stop] - base) + offset > bottleneck:
-                stop -= 1
+            stop = time_stop(cost.prefix, cost.scale, cost.offset, start, num_entries, bottleneck)
             found = cost.mem_reach[start]
             if stop < found:
                 found = stop

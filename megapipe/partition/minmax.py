@@ -32,7 +32,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SegmentCost", "min_max_split", "reachable_sets", "segment_cost"]
+__all__ = ["SegmentCost", "min_max_split", "reachable_sets", "segment_cost", "time_stop"]
 
 _INF = math.inf
 
@@ -58,6 +58,23 @@ class SegmentCost:
 def segment_cost(stage: SegmentCost, start: int, stop: int) -> float:
     """The canonical cost of entries [start, stop) on ``stage``; every comparison uses it."""
     return stage.scale * (stage.prefix[stop] - stage.prefix[start]) + stage.offset
+
+
+def time_stop(prefix: Sequence[float], scale: float, offset: float, start: int, limit: int, bound: float) -> int:
+    """The last stop in [start, limit] whose segment from ``start`` costs at most ``bound`` (``start`` if none).
+
+    Bisection on the prefix sums, then settled on the canonical cost ``scale * (prefix[b] - prefix[start]) +
+    offset``, so every caller compares exactly the costs :func:`segment_cost` gives.
+    """
+    base = prefix[start]
+    stop = bisect_right(prefix, base + (bound - offset) / scale, start, limit + 1) - 1
+    if stop < start:
+        stop = start
+    while stop < limit and scale * (prefix[stop + 1] - base) + offset <= bound:
+        stop += 1
+    while stop > start and scale * (prefix[stop] - base) + offset > bound:
+        stop -= 1
+    return stop
 
 
 class _Probe:
@@ -101,16 +118,9 @@ class _Probe:
                     if bound == _INF:
                         stop = limit
                     else:
-                        base = prefix[high]
-                        stop = bisect_right(prefix, base + (bound - offset) / scale, high, limit + 1) - 1
-                        if stop < high:
-                            stop = high
-                        while stop < limit and scale * (prefix[stop + 1] - base) + offset <= bound:
-                            stop += 1
-                        while stop > high and scale * (prefix[stop] - base) + offset > bound:
-                            stop -= 1
+                        stop = time_stop(prefix, scale, offset, high, limit, bound)
                         if stop < limit:
-                            change = scale * (prefix[stop + 1] - base) + offset
+                            change = scale * (prefix[stop + 1] - prefix[high]) + offset
                             if change < next_bound:
                                 next_bound = change
                     reach = [(low + 1, stop if stop > high else high + 1)]
@@ -182,17 +192,9 @@ class _Probe:
         if bound == _INF:
             return limit, _INF
         prefix, scale, offset = stage.prefix, stage.scale, stage.offset
-        base = prefix[high]
-        stop = bisect_right(prefix, base + (bound - offset) / scale, high, limit + 1) - 1
-        if stop < high:
-            stop = high
-        # The bisection works on prefix values; settle the stop on the canonical cost.
-        while stop < limit and scale * (prefix[stop + 1] - base) + offset <= bound:
-            stop += 1
-        while stop > high and scale * (prefix[stop] - base) + offset > bound:
-            stop -= 1
+        stop = time_stop(prefix, scale, offset, high, limit, bound)
         if stop < limit:
-            return stop, scale * (prefix[stop + 1] - base) + offset
+            return stop, scale * (prefix[stop + 1] - prefix[high]) + offset
         return stop, _INF
 
 
