@@ -54,21 +54,66 @@ def _fail(command: str, message: str) -> int:
     return 2
 
 
-def _split_args(rest: Sequence[str]) -> tuple[list[str], list[str], bool]:
-    """Return (overrides, hydra flags, multirun); bare paths become ``input=...``."""
+_TAKES_PATHS = {"report": "DIR", "replan": "RUN_DIR", "calibrate": "RUN_DIR or PROFILE", "validate": "RUNS.yaml"}
+"""Commands that take positional paths, and what they are."""
+_OWN_FLAGS = ("-m", "--multirun", "-h", "--help")
+
+
+class _BadArguments(MegapipeError):
+    """An argument the command does not take."""
+
+
+def _flag_error(command: str, rest: Sequence[str], at: int) -> _BadArguments:
+    """The error for the flag at ``rest[at]``: Megatron-LM flags (all of them on the line) with their keys."""
+    from megapipe.config.validate import megatron_flag_key
+
+    flag = rest[at].split("=")[0]
+    if megatron_flag_key(flag) is None:
+        return _BadArguments(f"{command} takes no flag {flag}; settings are key=value (e.g. model=llama3_70b), "
+                             f"see megapipe {command} --help")
+    given, keys = [], []
+    for index, arg in enumerate(rest):
+        if not arg.startswith("--") or megatron_flag_key(arg) is None:
+            continue
+        name, has_value, value = arg.partition("=")
+        if not has_value:
+            following = rest[index + 1] if index + 1 < len(rest) else ""
+            value = following if following and not following.startswith("-") and "=" not in following else ""
+        given.append(f"{name} {value}".strip())
+        keys.append(f"{megatron_flag_key(name)}={value or 'true'}")
+    return _BadArguments(f"{' '.join(given)}: Megatron-LM flags; megapipe takes key=value settings: "
+                         f"{' '.join(keys)}")
+
+
+def _split_args(command: str, rest: Sequence[str]) -> tuple[list[str], list[str], bool]:
+    """Return (overrides, hydra flags, multirun); bare paths become ``input=...`` for commands that take them.
+
+    Anything else a command does not take (a Megatron-LM flag, a stray word) is refused, naming the key it
+    likely means, rather than dropped."""
     overrides, flags, multirun, paths = [], [], False, []
-    args = iter(rest)
-    for arg in args:
+    rest = list(rest)
+    index = 0
+    while index < len(rest):
+        arg = rest[index]
+        following = rest[index + 1] if index + 1 < len(rest) else None
+        index += 1
         if arg in ("-m", "--multirun"):
             multirun = True
         elif arg in _FLAGS_WITH_VALUE:
-            flags += [arg, next(args, "")]
+            flags += [arg, following or ""]
+            index += 1
         elif arg.startswith("-"):
-            flags.append(arg)
+            if arg in _OWN_FLAGS or arg.split("=")[0] in _HYDRA_FLAGS:
+                flags.append(arg)
+            else:
+                raise _flag_error(command, rest, index - 1)
         elif "=" in arg:
             overrides.append(arg)
-        else:
+        elif command in _TAKES_PATHS:
             paths.append(arg)
+        else:
+            raise _BadArguments(f"{command} takes no positional argument {arg!r}; settings are key=value "
+                                f"(e.g. model=llama3_70b), see megapipe {command} --help")
     if paths:
         overrides.append("input=" + ",".join(paths) if len(paths) == 1 else f"input='{os.pathsep.join(paths)}'")
     return overrides, flags, multirun
@@ -129,7 +174,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.name and exc.name.startswith("megapipe"):
             return _fail(command, f"the {command!r} command is not available in this build")
         return _fail(command, f"{command!r} needs {exc.name!r}; install it (e.g. pip install 'megapipe[megatron]')")
-    overrides, flags, multirun = _split_args(rest)
+    if any(arg in ("-h", "--help") for arg in rest):
+        print(_help(command, module))
+        return 0
+    try:
+        overrides, flags, multirun = _split_args(command, rest)
+        from megapipe.config.validate import check_override_keys
+
+        check_override_keys(overrides)
+    except MegapipeError as exc:
+        return _fail(command, str(exc))
     if any(flag in ("-h", "--help") for flag in flags):
         print(_help(command, module))
         return 0

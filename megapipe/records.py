@@ -137,6 +137,14 @@ class ModelSpec:
     """Positions the embedding table (learned_absolute) or RoPE covers; seq_length when None."""
     rotary_base: float = 10000.0
     """RoPE's theta (Megatron --rotary-base); Llama 3 uses 500,000."""
+    use_rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency scaling (Megatron --use-rope-scaling; low/high frequency factors 1 and 4 over
+    an original 8,192 positions). Changes no cost."""
+    rope_scaling_factor: float = 8.0
+    """Its factor (Megatron --rope-scaling-factor)."""
+    add_qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2 and Qwen2.5; Megatron --add-qkv-bias); implied
+    by add_bias_linear. Their (heads + 2 x groups) x head_dim parameters per layer are left out of the memory."""
     norm_epsilon: float = 1e-5
     qk_layernorm: bool = False
     """Normalise queries and keys per head (Qwen3; with MLA, the q and kv latents)."""

@@ -22,7 +22,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megapipe.config import compose, to_setup  # noqa: E402
+from megapipe.config import compose, to_scenario  # noqa: E402
 from megapipe.pack import CurveCache, job_options, solve_dp, solve_milp  # noqa: E402
 from megapipe.pack.curves import default_node_counts  # noqa: E402
 from megapipe.records import JobSpec  # noqa: E402
@@ -36,9 +36,9 @@ def _jobs(count: int) -> list[JobSpec]:
     rng = random.Random(20261201)
     specs = {}
     for model, batch, seq in SHAPES:
-        setup = to_setup(compose([f"model={model}", f"train.global_batch_size={batch}", f"train.seq_length={seq}"]),
-                         search=True)
-        specs[(model, batch, seq)] = (setup.model, setup.train)
+        scenario = to_scenario(compose([f"model={model}", f"train.global_batch_size={batch}", f"train.seq_length={seq}"]),
+                               search=True)
+        specs[(model, batch, seq)] = (scenario.model, scenario.train)
     jobs = []
     for index in range(count):
         shape = SHAPES[index % len(SHAPES)] if index < len(SHAPES) else rng.choice(SHAPES)
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=512)
     parser.add_argument("--sample", type=int, default=6, help="curve points timed for the yardstick")
     args = parser.parse_args()
-    cluster = to_setup(compose([f"cluster.num_nodes={args.nodes}"]), search=True).cluster
+    cluster = to_scenario(compose([f"cluster.num_nodes={args.nodes}"]), search=True).cluster
     jobs = _jobs(args.jobs)
     options = PackOptions()
     cpu, wall = time.process_time(), time.perf_counter()

@@ -26,8 +26,9 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megapipe.config import to_setup  # noqa: E402
+from megapipe.config import to_scenario  # noqa: E402
 from megapipe.config import compose  # noqa: E402
+from megapipe.config.options import search_options  # noqa: E402
 from megapipe.errors import InfeasibleError, ScheduleError  # noqa: E402
 from megapipe.plan.evaluator import Evaluator  # noqa: E402
 from megapipe.plan.search import search  # noqa: E402
@@ -52,8 +53,8 @@ def _timed(function):
     return result, time.process_time() - cpu, time.perf_counter() - wall
 
 
-def _search(setup, fixed, options, repeats: int):
-    runs = [_timed(lambda: search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
+def _search(scenario, fixed, options, repeats: int):
+    runs = [_timed(lambda: search(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=fixed,
                                   options=options)) for _ in range(repeats)]
     result = runs[0][0]
     cpu = min(run[1] for run in runs)
@@ -69,9 +70,9 @@ def _search(setup, fixed, options, repeats: int):
     return stats, cpu
 
 
-def _exact_rate(setup, options, space, count: int) -> tuple[float, float, int]:
+def _exact_rate(scenario, options, space, count: int) -> tuple[float, float, int]:
     """Exact evaluations per CPU second over candidates that fit memory: schedules built as needed, then built."""
-    evaluator = Evaluator(model=setup.model, cluster=setup.cluster, options=options)
+    evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster, options=options)
     fitting = [cand for cand in space.candidates if evaluator.bounds.split_can_fit(cand)]
     sample = random.Random(1).sample(fitting, min(count, len(fitting)))
     for cand in sample:  # layer costs are costed once per search; keep them out of the rate
@@ -91,13 +92,13 @@ def _exact_rate(setup, options, space, count: int) -> tuple[float, float, int]:
     return rates[0], rates[1], done
 
 
-def _naive_rate(setup, options, space, count: int) -> float:
+def _naive_rate(scenario, options, space, count: int) -> float:
     sample = random.Random(0).sample(space.candidates, min(count, len(space.candidates)))
     started = time.process_time()
     for cand in sample:
         _clear_caches()
         try:
-            Evaluator(model=setup.model, cluster=setup.cluster, options=options).evaluate(cand)
+            Evaluator(model=scenario.model, cluster=scenario.cluster, options=options).evaluate(cand)
         except (InfeasibleError, ScheduleError):
             pass
     return len(sample) / (time.process_time() - started)
@@ -115,15 +116,15 @@ def main() -> None:
         cfg = compose(["model=deepseek_v3", "cluster=h100_80gb", "cluster.num_nodes=128", "train.global_batch_size=8192"])
     else:
         cfg = compose(["model=llama3_70b", "cluster=h100_80gb", "train.seq_length=8192", "train.global_batch_size=256"])
-    setup = to_setup(cfg, search=True)
-    fixed = setup.fixed
-    options = setup.search
-    stats, seconds = _search(setup, fixed, options, args.repeats)
-    space = enumerate_candidates(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
+    scenario = to_scenario(cfg, search=True)
+    fixed = scenario.fixed
+    options = search_options(cfg)
+    stats, seconds = _search(scenario, fixed, options, args.repeats)
+    space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=fixed,
                                  options=options)
     decided = stats.enumerated / seconds
-    exact, exact_warm, exact_count = _exact_rate(setup, options, space, args.exact)
-    naive = _naive_rate(setup, options, space, args.sample)
+    exact, exact_warm, exact_count = _exact_rate(scenario, options, space, args.exact)
+    naive = _naive_rate(scenario, options, space, args.sample)
     naive_total = len(space.candidates) / naive
     print(f"yardstick (naive, no caches/bounds): {naive:,.1f} candidates/s; whole space "
           f"({len(space.candidates)} after shape rules) {naive_total:.1f} s (extrapolated from {args.sample})")

@@ -22,7 +22,7 @@ import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megapipe.config import compose, to_setup  # noqa: E402
+from megapipe.config import compose, to_scenario  # noqa: E402
 from megapipe.cost import model_flops_per_token  # noqa: E402
 from megapipe.cost.shapes import padded_vocab_size  # noqa: E402
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     print(f"{'preset':18s} {'seq':>6s} {'Megatron GFLOP/token':>21s} {'megapipe':>10s} {'ratio':>8s}")
     for name in args.presets:
-        model = to_setup(compose([f"model={name}"])).model
+        model = to_scenario(compose([f"model={name}"])).model
         seq = model.seq_length
         theirs = num_floating_point_operations(megatron_args(model, seq), 1) / seq
         ours = model_flops_per_token(model, seq)

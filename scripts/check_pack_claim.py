@@ -15,7 +15,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megapipe.config import compose, to_setup  # noqa: E402
+from megapipe.config import compose, to_scenario  # noqa: E402
 from megapipe.config.jobs import jobs_of, pack_options  # noqa: E402
 from megapipe.pack import pack_jobs  # noqa: E402
 
@@ -52,7 +52,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for label, overrides in MIXES.items():
         cfg = compose(overrides)
-        cluster = to_setup(cfg, search=True).cluster
+        cluster = to_scenario(cfg, search=True).cluster
         jobs = jobs_of(cfg, cluster)
         result = pack_jobs(jobs, cluster, pack_options(cfg, jobs))
         ours = result.packed.average_utilisation

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megapipe.config import compose, to_setup  # noqa: E402
+from megapipe.config import compose, to_scenario  # noqa: E402
 from megapipe.errors import MegapipeError  # noqa: E402
 from megapipe.validation.runs import read_runs  # noqa: E402
 from megapipe.options import SearchOptions  # noqa: E402
@@ -41,15 +41,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
     started = time.perf_counter()
-    runtime = to_setup(compose([])).cluster.runtime
+    runtime = to_scenario(compose([])).cluster.runtime
     bases: dict[str, object] = {}
     rows = []
     for run in read_runs():
         if run.set not in TUNED_SETS:
             continue
         if run.cluster not in bases:
-            bases[run.cluster] = to_setup(compose([f"cluster={run.cluster}", "parallel.tensor_model_parallel_size=1",
-                                                   "parallel.pipeline_model_parallel_size=1"])).cluster
+            bases[run.cluster] = to_scenario(compose([f"cluster={run.cluster}", "parallel.tensor_model_parallel_size=1",
+                                                      "parallel.pipeline_model_parallel_size=1"])).cluster
         base = bases[run.cluster]
         resolved = resolve(run, base)
         cluster = run_cluster(run, base, runtime)

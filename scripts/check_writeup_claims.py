@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megapipe.config import compose, to_setup
+from megapipe.config import compose, to_scenario
+from megapipe.config.options import search_options
 from megapipe.cost import activation_bytes_per_layer, layer_costs, parameter_count
 from megapipe.errors import InfeasibleError, ScheduleError
 from megapipe.partition import equal_bounds, in_flight_counts
@@ -45,10 +46,10 @@ class Claim:
 def plan(*overrides: str):
     """The search ``megapipe plan <overrides>`` runs; returns its SearchResult."""
     cfg = compose(list(overrides))
-    setup = to_setup(cfg, search=True)
-    fixed = setup.fixed
-    return search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
-                  options=setup.search, use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
+    scenario = to_scenario(cfg, search=True)
+    fixed = scenario.fixed
+    return search(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=fixed,
+                  options=search_options(cfg), use_distributed_optimizer=scenario.parallel.use_distributed_optimizer)
 
 
 def shape(p) -> str:
@@ -67,9 +68,9 @@ def fitting_equal(*overrides: str, top_k: int = 20):
     memory; a user without an uneven split would pick another configuration.
     """
     cfg = compose([*overrides, f"search.top_k={top_k}"])
-    setup = to_setup(cfg, search=True)
-    evaluator = Evaluator(model=setup.model, cluster=setup.cluster, options=setup.search)
-    by_name = {group.gpu.name: group.gpu for group in setup.cluster.node_groups}
+    scenario = to_scenario(cfg, search=True)
+    evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster, options=search_options(cfg))
+    by_name = {group.gpu.name: group.gpu for group in scenario.cluster.node_groups}
     best = None
     for p in plan(*overrides, f"search.top_k={top_k}").plans:
         gpus = tuple(by_name[name] for name in p.stage_gpus) or None
@@ -97,16 +98,16 @@ def gain(*overrides: str) -> str:
 
 
 def claim_memory() -> Claim:
-    setup = to_setup(compose(["model=llama3_70b", "cluster=h100_80gb"]))
-    params = parameter_count(setup.model)
-    usable = setup.cluster.gpu.usable_memory_bytes
+    scenario = to_scenario(compose(["model=llama3_70b", "cluster=h100_80gb"]))
+    params = parameter_count(scenario.model)
+    usable = scenario.cluster.gpu.usable_memory_bytes
     smallest = None
     for nodes in (1, 2, 3, 4):
         try:
             plan(f"cluster.num_nodes={nodes}")
         except InfeasibleError:
             continue
-        smallest = nodes * setup.cluster.gpus_per_node
+        smallest = nodes * scenario.cluster.gpus_per_node
         break
     figure = (f"{params / 1e9:.2f}B params x 18 B = {18 * params / GB:,.0f} GB ({420e9 / params:.1f} B/param "
               f"gives 420 GB); >= {-(-18 * params // usable):.0f} H100 for static state alone at "
@@ -130,9 +131,9 @@ def _spread(times) -> str:
 
 
 def claim_imbalance() -> Claim:
-    setup = to_setup(compose(list(_FIXED_70B)))
-    layers = layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster, parallel=setup.parallel,
-                         train=setup.train).layers
+    scenario = to_scenario(compose(list(_FIXED_70B)))
+    layers = layer_costs(model=scenario.model, gpu=scenario.cluster.gpu, cluster=scenario.cluster,
+                         parallel=scenario.parallel, train=scenario.train).layers
     bounds = equal_bounds([x.kind for x in layers], num_stages=8)
     with_ends = _stage_sums(layers, bounds)
     decoders = [x for x in layers if x.kind == LayerKind.decoder]
@@ -183,9 +184,10 @@ def claim_hetero() -> Claim:
     speedup = best.tokens_per_s_per_gpu / equal.tokens_per_s_per_gpu - 1
     cost = 1 - best.cost_per_million_tokens / equal.cost_per_million_tokens
     over = "" if result.baseline.feasible else f", {result.baseline.memory_over_gib:.1f} GiB over memory"
-    setup = to_setup(compose(["cluster=mixed_h100_a100", *_FIXED_70B]))
-    per_gpu = {g.gpu.name: layer_costs(model=setup.model, gpu=g.gpu, cluster=setup.cluster, parallel=setup.parallel,
-                                       train=setup.train).layers[1] for g in setup.cluster.node_groups}
+    scenario = to_scenario(compose(["cluster=mixed_h100_a100", *_FIXED_70B]))
+    per_gpu = {g.gpu.name: layer_costs(model=scenario.model, gpu=g.gpu, cluster=scenario.cluster,
+                                       parallel=scenario.parallel, train=scenario.train).layers[1]
+               for g in scenario.cluster.node_groups}
     ratio = (per_gpu["a100_80gb"].fwd_ms + per_gpu["a100_80gb"].bwd_ms) / (
         per_gpu["h100_80gb"].fwd_ms + per_gpu["h100_80gb"].bwd_ms)
     return Claim(claim="mixed H100+A100: 60% layers on H100, +23% throughput, -18% cost",
@@ -212,7 +214,7 @@ def _first_stage_gb(model, *, tp: int, sp: bool, backend: str, recompute: str) -
 
 
 def claim_activations() -> Claim:
-    model = to_setup(compose(["model=llama3_70b"])).model
+    model = to_scenario(compose(["model=llama3_70b"])).model
     parts = []
     for tp, sp in ((1, False), (4, False), (4, True), (8, True)):
         flash, unfused, full = (_first_stage_gb(model, tp=tp, sp=sp, backend=b, recompute=r)

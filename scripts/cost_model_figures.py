@@ -10,14 +10,14 @@ Usage: python scripts/cost_model_figures.py
 
 from __future__ import annotations
 
-from megapipe.config import compose, to_setup
+from megapipe.config import compose, to_scenario
 from megapipe.cost import layer_costs, model_flops_per_token
 from megapipe.records import ParallelSpec, TrainSpec
 
 
-def _setup(model: str, cluster: str = "h100_80gb"):
-    return to_setup(compose([f"model={model}", f"cluster={cluster}", "parallel.tensor_model_parallel_size=1",
-                             "parallel.pipeline_model_parallel_size=1"]))
+def _scenario(model: str, cluster: str = "h100_80gb"):
+    return to_scenario(compose([f"model={model}", f"cluster={cluster}", "parallel.tensor_model_parallel_size=1",
+                                "parallel.pipeline_model_parallel_size=1"]))
 
 
 def _time(layer) -> float:
@@ -25,14 +25,14 @@ def _time(layer) -> float:
 
 
 def _write_up_gpt() -> None:
-    setup = _setup("gpt_48l_128k")
-    train = TrainSpec(micro_batch_size=1, seq_length=setup.model.seq_length)
+    scenario = _scenario("gpt_48l_128k")
+    train = TrainSpec(micro_batch_size=1, seq_length=scenario.model.seq_length)
     print("gpt_48l_128k on h100_80gb, seq 4096, mbs 1 (ratios against one decoder layer)")
     print("tp  emb_static  emb_time  out_static  out_time  out_act")
     for tp in (1, 2, 4):
         parallel = ParallelSpec(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, data_parallel_size=8 // tp)
-        layers = layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster, parallel=parallel,
-                             train=train).layers
+        layers = layer_costs(model=scenario.model, gpu=scenario.cluster.gpu, cluster=scenario.cluster,
+                             parallel=parallel, train=train).layers
         emb, dec, out = layers[0], layers[1], layers[-1]
         print(f"{tp:<3} {emb.static_bytes / dec.static_bytes:10.2f}  {_time(emb) / _time(dec):8.3f}  "
               f"{out.static_bytes / dec.static_bytes:10.2f}  {_time(out) / _time(dec):8.2f}  "
@@ -46,13 +46,13 @@ def _implied_mfu() -> None:
              ("llama3_70b", "h200_141gb", 4, 8192), ("llama3_70b", "b300_192gb", 4, 8192),
              ("llama3_70b", "mi300x_192gb", 4, 8192))
     for model, cluster, tp, seq in cases:
-        setup = _setup(model, cluster)
+        scenario = _scenario(model, cluster)
         parallel = ParallelSpec(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, data_parallel_size=4)
-        profile = layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster, parallel=parallel,
-                              train=TrainSpec(micro_batch_size=1, seq_length=seq))
+        profile = layer_costs(model=scenario.model, gpu=scenario.cluster.gpu, cluster=scenario.cluster,
+                              parallel=parallel, train=TrainSpec(micro_batch_size=1, seq_length=seq))
         total_ms = sum(_time(layer) for layer in profile.layers)
-        flops_per_gpu = model_flops_per_token(setup.model, seq) * seq / tp
-        mfu = flops_per_gpu / (total_ms * 1e-3) / (setup.cluster.gpu.bf16_tflops * 1e12)
+        flops_per_gpu = model_flops_per_token(scenario.model, seq) * seq / tp
+        mfu = flops_per_gpu / (total_ms * 1e-3) / (scenario.cluster.gpu.bf16_tflops * 1e12)
         dec, out = profile.layers[1], profile.layers[-1]
         print(f"{model:<12} {cluster:<14} {tp:<3} {dec.fwd_ms:10.2f}  {dec.bwd_ms:10.2f}  {dec.wgrad_ms:12.2f}  "
               f"{dec.act_bytes / 2**20:11.0f}  {_time(out):6.2f}  {mfu:11.3f}")

@@ -2,7 +2,8 @@
 
 Used by ``scripts/fuzz_cli.py`` (1,000+ cases) and by tests/test_cli_fuzz.py (a sample in CI).
 A case is a verb and a list of overrides: a known key with a wrong value (zero, negative, not finite,
-huge, of the wrong type), or an unknown key. Each case runs ``megapipe.cli.main`` in-process with
+huge, of the wrong type), an unknown key, or a Megatron-LM flag or
+stray positional word. Each case runs ``megapipe.cli.main`` in-process with
 stdout and stderr captured and an alarm as a time limit.
 """
 
@@ -41,6 +42,10 @@ _CHOICES = ("model=llama9", "cluster=nope", "schedule=zb_x", "train.recompute_gr
             "search.bubble_target=[2,3]", "search.bubble_target=[0.99,1.0]", "search.bubble_warning_range=[1]",
             "search.replan_attribution=guess", "stage_times=[[1,2]]", "stage_times=[[1,-1,1]]", "profile=/no/such.yaml",
             "model=hf", "extra.iters=-1")
+_STRAY = (("--tensor-model-parallel-size", "2"), ("--num-layers", "40"), ("--foo",), ("--use-distributed-optimizer",),
+          ("2:40",), ("llama3_70b",), ("tensor_model_parallel_size=2",), ("train.seq_lenght=8192",),
+          ("num_layers=3",), ("--micro-batch-size=2",))
+"""Megatron-LM style flags, positional words, keys without their group or with a typo, all refused."""
 VERBS = ("plan", "partition", "simulate", "report", "calibrate", "replan", "profile")
 _SMALL = ("model=tiny_gpt", "cluster=cpu_gloo", "train.global_batch_size=8")
 """What each case starts from, so that a valid case plans in well under a second."""
@@ -76,8 +81,10 @@ def random_cases(count: int, *, seed: int = 0) -> list[Case]:
             if kind < 0.6:
                 group = rng.choice(tuple(_KEYS))
                 bad.append(f"{rng.choice(_KEYS[group])}={rng.choice(_VALUES)}")
-            elif kind < 0.8:
+            elif kind < 0.7:
                 bad.append(rng.choice(_UNKNOWN))
+            elif kind < 0.8 and verb not in ("report", "replan", "calibrate") or kind < 0.75:
+                bad.extend(rng.choice(_STRAY))
             else:
                 bad.append(rng.choice(_CHOICES))
         path = ("/no/such/dir",) if verb in ("report", "replan", "calibrate") and rng.random() < 0.5 else ()

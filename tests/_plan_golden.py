@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from megapipe.config import to_setup
+from megapipe.config import to_scenario
 from megapipe.config import compose
+from megapipe.config.options import search_options
 from megapipe.plan.document import json_summary
 from megapipe.plan.search import search
 
@@ -29,10 +30,10 @@ SCENARIOS = {
 def scenario_summary(name: str) -> dict:
     """The search's JSON summary without its wall-clock seconds."""
     cfg = compose(SCENARIOS[name])
-    setup = to_setup(cfg, search=True)
-    fixed = setup.fixed
-    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=fixed,
-                    options=setup.search, use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
+    scenario = to_scenario(cfg, search=True)
+    fixed = scenario.fixed
+    result = search(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=fixed,
+                    options=search_options(cfg), use_distributed_optimizer=scenario.parallel.use_distributed_optimizer)
     summary = json.loads(json.dumps(json_summary(result)))
     summary["search"].pop("seconds")
     return summary

@@ -140,3 +140,55 @@ def test_the_schema_is_made_from_the_records():
     for name in ("ModelConfig", "GpuConfig", "LinkConfig", "RuntimeConfig", "ParallelConfig", "TrainConfig",
                  "PackConfig"):
         assert f"class {name}" not in source, f"{name} is declared by hand beside its record"
+
+
+def _names_defined_or_imported(path: pathlib.Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update(alias.name.rpartition(".")[2] for alias in node.names)  # the name imported, aliased or not
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update(target.id for target in targets if isinstance(target, ast.Name))
+    return found
+
+
+_GRAB_BAG = "Set" + "up"
+"""The name of the record every command once took whole (spelled in parts so a search for it finds no use)."""
+
+
+def test_no_grab_bag_record():
+    """Commands take their own inputs and the job's Scenario; no module defines or imports the old grab-bag name."""
+    where = sorted(module for module, path in MODULES.items() if _GRAB_BAG in _names_defined_or_imported(path))
+    assert where == []
+
+
+def _annotation_names(node: ast.expr | None) -> list[str] | None:
+    """The type names of a return annotation (``A``, ``a.A``, ``A | B``, ``"A"``); None for anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        node = ast.parse(node.value, mode="eval").body
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        left, right = _annotation_names(node.left), _annotation_names(node.right)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def test_every_command_prepares_its_own_inputs():
+    """Each ``commands/<verb>.py`` with a ``prepare`` returns an annotated ``*Inputs`` record (or a union of them)."""
+    checked, wrong = [], {}
+    for path in sorted((PACKAGE / "commands").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "prepare":
+                checked.append(path.stem)
+                names = _annotation_names(node.returns)
+                if not names or not all(name.endswith("Inputs") for name in names):
+                    wrong[path.stem] = ast.unparse(node.returns) if node.returns else None
+    assert wrong == {}
+    assert {"plan", "simulate", "partition", "replan", "calibrate", "validate", "profile", "pack"} <= set(checked)

@@ -151,12 +151,12 @@ def _write_monitored(directory, *, layout: str, microbatches: int, runtime) -> N
     from megapipe.validation.fit import RunSet
     from megapipe.validation.monitored import monitored_resolved
 
-    setup = _run_setup(microbatches)
+    scenario = _run_scenario(microbatches)
     placeholder = MeasuredRun(layout=layout, pipeline_model_parallel_size=2, stage_forward_ms=(1.0, 1.0),
                               stage_backward_ms=(1.0, 1.0), step_time_ms=1.0)
-    runs = RunSet([monitored_resolved(name="truth", cluster=setup.cluster.name, model=setup.model,
-                                      parallel=setup.parallel, train=setup.train, gpus_per_node=2,
-                                      measured=placeholder)], [setup.cluster])
+    runs = RunSet([monitored_resolved(name="truth", cluster=scenario.cluster.name, model=scenario.model,
+                                      parallel=scenario.parallel, train=scenario.train, gpus_per_node=2,
+                                      measured=placeholder)], [scenario.cluster])
     step_s, stage_ms = runs.times(0, runtime)
     for rank in (0, 1):
         writer = JsonlWriter(str(directory), rank=rank)
@@ -170,10 +170,10 @@ def _write_monitored(directory, *, layout: str, microbatches: int, runtime) -> N
         writer.close()
 
 
-def _run_setup(microbatches: int):
-    from megapipe.config import compose, to_setup
+def _run_scenario(microbatches: int):
+    from megapipe.config import compose, to_scenario
 
-    return to_setup(compose([*RUN_CFG, f"train.global_batch_size={2 * microbatches}"]))
+    return to_scenario(compose([*RUN_CFG, f"train.global_batch_size={2 * microbatches}"]))
 
 
 def test_calibrate_run_dir_recovers_the_runtime_that_made_the_run(tmp_path, capsys):

@@ -76,12 +76,12 @@ def _held_out_error(run_dir: str, runtime: str, directory) -> float:
 
     cfg = compose([*CFG, _batch(RUNS[1][1]), f"input={run_dir}", f"runtime={runtime}", f"output.dir={directory}"])
     run = read_monitored_run(cfg, command="calibrate")
-    setup = run.setup
-    runs = RunSet([monitored_resolved(name=run_dir, cluster=setup.cluster.name, model=setup.model,
-                                      parallel=setup.parallel, train=setup.train,
-                                      gpus_per_node=setup.cluster.gpus_per_node, measured=run.measured)],
-                  [setup.cluster])
-    return run_errors(runs, setup.cluster.runtime, [run.measured])[0].step
+    scenario = run.scenario
+    runs = RunSet([monitored_resolved(name=run_dir, cluster=scenario.cluster.name, model=scenario.model,
+                                      parallel=scenario.parallel, train=scenario.train,
+                                      gpus_per_node=scenario.cluster.gpus_per_node, measured=run.measured)],
+                  [scenario.cluster])
+    return run_errors(runs, scenario.cluster.runtime, [run.measured])[0].step
 
 
 def test_calibration_fits_the_run(calibrated):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megapipe.profile.format import save_profile
-from megapipe.config import compose, to_setup
+from megapipe.config import compose, to_scenario
 from megapipe.partition import solve
 
 
@@ -49,11 +49,11 @@ def test_partition_json_matches_the_library(tmp_path):
     out = megapipe("partition", *overrides, "output.format=json", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    setup = to_setup(compose(overrides))
-    from megapipe.commands.common import setup_profile, setup_stage_specs
+    scenario = to_scenario(compose(overrides))
+    from megapipe.commands.common import scenario_profile, stage_specs_of
 
-    part = solve(setup_profile(setup), list(setup_stage_specs(setup, pipeline_model_parallel_size=8)),
-                 num_microbatches=setup.num_microbatches, schedule="1f1b")
+    part = solve(scenario_profile(scenario, None), list(stage_specs_of(scenario, pipeline_model_parallel_size=8)),
+                 num_microbatches=scenario.num_microbatches, schedule="1f1b")
     assert result["entries_per_stage"] == list(part.entries_per_stage)
     assert result["layout"] == part.layout
     assert result["bottleneck_ms"] == pytest.approx(part.bottleneck_ms)
@@ -77,12 +77,12 @@ def test_help(tmp_path):
 
 @pytest.mark.parametrize("command", ["plan", "partition"])
 def test_profile_of_another_model_is_refused(tmp_path, command):
-    from megapipe.commands.common import setup_profile
+    from megapipe.commands.common import scenario_profile
 
-    tiny = to_setup(compose(["model=tiny_gpt", "cluster=cpu_gloo", "parallel.tensor_model_parallel_size=1",
-                             "parallel.pipeline_model_parallel_size=2"]))
+    tiny = to_scenario(compose(["model=tiny_gpt", "cluster=cpu_gloo", "parallel.tensor_model_parallel_size=1",
+                                "parallel.pipeline_model_parallel_size=2"]))
     path = tmp_path / "tiny.yaml"
-    save_profile(setup_profile(tiny), path)
+    save_profile(scenario_profile(tiny, None), path)
     out = megapipe(command, "model=llama3_8b", f"profile={path}", cwd=tmp_path)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "decoder layers" in out.stderr and "num_layers=32" in out.stderr
@@ -90,15 +90,15 @@ def test_profile_of_another_model_is_refused(tmp_path, command):
 
 def test_mixed_cluster_time_scales_agree_with_the_planner():
     """partition/simulate and the planner price a slower GPU type the same way: modelled layer-time ratios."""
-    from megapipe.commands.common import setup_stage_specs
+    from megapipe.commands.common import stage_specs_of
     from megapipe.plan.evaluator import Evaluator
     from megapipe.plan.plans import Candidate
 
-    setup = to_setup(compose(["cluster=mixed_h100_a100"]))
-    specs = setup_stage_specs(setup)
-    evaluator = Evaluator(model=setup.model, cluster=setup.cluster)
-    cand = Candidate(parallel=setup.parallel, train=setup.train, schedule="1f1b")
-    planner = evaluator.costs.stage_specs(cand, tuple(g.gpu for g in setup.cluster.node_groups
+    scenario = to_scenario(compose(["cluster=mixed_h100_a100"]))
+    specs = stage_specs_of(scenario)
+    evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster)
+    cand = Candidate(parallel=scenario.parallel, train=scenario.train, schedule="1f1b")
+    planner = evaluator.costs.stage_specs(cand, tuple(g.gpu for g in scenario.cluster.node_groups
                                                 for _ in range(4)))  # 8 stages: 4 per node group
     assert [s.gpu_name for s in specs] == [s.gpu_name for s in planner]
     assert [s.time_scale for s in specs] == pytest.approx([s.time_scale for s in planner], rel=1e-9)

@@ -7,7 +7,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
-from megapipe.config import compose, conf_dir, to_setup
+from megapipe.config import compose, conf_dir, to_scenario
 from megapipe.errors import ConfigError
 from megapipe.records import Activation, AttentionBackend, Recompute
 
@@ -16,43 +16,43 @@ REQUIRED_CLUSTERS = ("h100_80gb", "h200_141gb", "b300_192gb", "a100_80gb", "mi30
 
 
 def test_defaults_are_the_writeups_70b_scenario():
-    setup = to_setup(compose())
-    assert setup.model.name == "llama3_70b"
-    assert setup.cluster.num_gpus == 128 and setup.cluster.gpus_per_node == 8
-    assert setup.train.seq_length == 8192
-    assert setup.train.global_batch_size * setup.train.seq_length == pytest.approx(2.1e6, rel=0.01)
+    scenario = to_scenario(compose())
+    assert scenario.model.name == "llama3_70b"
+    assert scenario.cluster.num_gpus == 128 and scenario.cluster.gpus_per_node == 8
+    assert scenario.train.seq_length == 8192
+    assert scenario.train.global_batch_size * scenario.train.seq_length == pytest.approx(2.1e6, rel=0.01)
     # Null search dimensions fall back to the write-ups' TP=4, PP=8, DP=4.
-    assert (setup.parallel.tensor_model_parallel_size, setup.parallel.pipeline_model_parallel_size,
-            setup.parallel.data_parallel_size) == (4, 8, 4)
-    assert dict(setup.fixed) == {}
-    assert setup.num_microbatches == 256 // (1 * 4)
+    assert (scenario.parallel.tensor_model_parallel_size, scenario.parallel.pipeline_model_parallel_size,
+            scenario.parallel.data_parallel_size) == (4, 8, 4)
+    assert dict(scenario.fixed) == {}
+    assert scenario.num_microbatches == 256 // (1 * 4)
 
 
 @pytest.mark.parametrize("name", REQUIRED_MODELS)
 def test_every_required_model_composes(name):
-    model = to_setup(compose([f"model={name}"])).model
+    model = to_scenario(compose([f"model={name}"])).model
     assert model.num_layers > 0 and model.num_attention_heads % model.num_query_groups == 0
     assert model.attention_backend in tuple(AttentionBackend)
 
 
 def test_the_writeups_48_layer_gpt():
-    model = to_setup(compose(["model=gpt_48l_128k"])).model
+    model = to_scenario(compose(["model=gpt_48l_128k"])).model
     assert (model.num_layers, model.num_attention_heads) == (48, 16)
     assert model.vocab_size >= 128_000
 
 
 @pytest.mark.parametrize("name", REQUIRED_CLUSTERS)
 def test_every_required_cluster_composes(name):
-    cluster = to_setup(compose([f"cluster={name}", "parallel.tensor_model_parallel_size=1",
-                                "parallel.pipeline_model_parallel_size=1"])).cluster
+    cluster = to_scenario(compose([f"cluster={name}", "parallel.tensor_model_parallel_size=1",
+                                   "parallel.pipeline_model_parallel_size=1"])).cluster
     assert cluster.num_gpus > 0 and cluster.price_per_gpu_hour > 0
     for group in cluster.node_groups:
         assert 0 < group.gpu.usable_memory_fraction <= 1 and group.gpu.memory_gib > 0
 
 
 def test_mixed_cluster_has_two_gpu_types():
-    cluster = to_setup(compose(["cluster=mixed_h100_a100", "parallel.tensor_model_parallel_size=1",
-                                "parallel.pipeline_model_parallel_size=1"])).cluster
+    cluster = to_scenario(compose(["cluster=mixed_h100_a100", "parallel.tensor_model_parallel_size=1",
+                                   "parallel.pipeline_model_parallel_size=1"])).cluster
     assert cluster.is_heterogeneous and len(cluster.node_groups) == 2
 
 
@@ -67,21 +67,22 @@ def test_unknown_model_is_hydras_error():
 
 
 def test_overrides_fix_search_dimensions():
-    setup = to_setup(compose(["parallel.tensor_model_parallel_size=8", "train.micro_batch_size=2",
-                              "schedule=zb_h1", "train.recompute_granularity=selective"]))
-    assert set(setup.fixed) == {"tensor_model_parallel_size", "micro_batch_size", "schedule", "recompute_granularity"}
-    assert setup.schedule == "zb_h1" and setup.train.recompute_granularity is Recompute.selective
-    assert setup.parallel.data_parallel_size == 128 // (8 * 8)
+    scenario = to_scenario(compose(["parallel.tensor_model_parallel_size=8", "train.micro_batch_size=2",
+                                    "schedule=zb_h1", "train.recompute_granularity=selective"]))
+    assert set(scenario.fixed) == {"tensor_model_parallel_size", "micro_batch_size", "schedule",
+                                   "recompute_granularity"}
+    assert scenario.schedule == "zb_h1" and scenario.train.recompute_granularity is Recompute.selective
+    assert scenario.parallel.data_parallel_size == 128 // (8 * 8)
 
 
 def test_indivisible_gpu_count_is_a_config_error():
     with pytest.raises(ConfigError, match="not divisible"):
-        to_setup(compose(["parallel.tensor_model_parallel_size=3"]))
+        to_scenario(compose(["parallel.tensor_model_parallel_size=3"]))
 
 
 def test_indivisible_global_batch_is_a_config_error():
     with pytest.raises(ConfigError, match="global_batch_size=100"):
-        to_setup(compose(["train.global_batch_size=100", "train.micro_batch_size=8"]))
+        to_scenario(compose(["train.global_batch_size=100", "train.micro_batch_size=8"]))
 
 
 def test_hf_config_json(tmp_path):
@@ -94,26 +95,26 @@ def test_hf_config_json(tmp_path):
     path.parent.mkdir()
     path.write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="max_position_embeddings=8192 is the longest context"):
-        to_setup(compose(["model=hf", f"model.config_path={path}"]))
-    setup = to_setup(compose(["model=hf", f"model.config_path={path}", "train.seq_length=4096"]))
-    model = setup.model
-    assert setup.train.seq_length == 4096 and setup.seq_length_source == "train.seq_length"
+        to_scenario(compose(["model=hf", f"model.config_path={path}"]))
+    scenario = to_scenario(compose(["model=hf", f"model.config_path={path}", "train.seq_length=4096"]))
+    model = scenario.model
+    assert scenario.train.seq_length == 4096 and scenario.seq_length_source == "train.seq_length"
     assert model.max_position_embeddings == 8192
     assert (model.num_layers, model.hidden_size, model.num_query_groups, model.ffn_hidden_size) == (32, 4096, 8, 14336)
     assert model.activation is Activation.swiglu and model.untie_embeddings_and_output_weights
-    assert model.vocab_size == 128256 and model.name == "Meta-Llama-3-8B"
+    assert model.vocab_size == 128256 and model.name == "llama"  # from architectures, not the folder
     # A value on the command line wins over the file's.
-    assert to_setup(compose(["model=hf", f"model.config_path={path}", "model.num_layers=4",
-                             "train.seq_length=4096"])).model.num_layers == 4
+    assert to_scenario(compose(["model=hf", f"model.config_path={path}", "model.num_layers=4",
+                                "train.seq_length=4096"])).model.num_layers == 4
 
 
 def test_hf_without_path_or_with_bad_json(tmp_path):
     with pytest.raises(ConfigError, match="config_path"):
-        to_setup(compose(["model=hf"]))
+        to_scenario(compose(["model=hf"]))
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        to_setup(compose(["model=hf", f"model.config_path={bad}"]))
+        to_scenario(compose(["model=hf", f"model.config_path={bad}"]))
 
 
 def test_user_searchpath_adds_groups(tmp_path):
@@ -123,7 +124,7 @@ def test_user_searchpath_adds_groups(tmp_path):
         "num_attention_heads: 4\nnum_query_groups: 4\nffn_hidden_size: 1024\nvocab_size: 1000\nseq_length: 512\n"
     )
     cfg = compose(["model=my_model", f"hydra.searchpath=[file://{tmp_path}]"])
-    assert to_setup(cfg).model.num_layers == 6
+    assert to_scenario(cfg).model.num_layers == 6
 
 
 def test_conf_dir_is_shipped_with_the_package():
@@ -132,30 +133,30 @@ def test_conf_dir_is_shipped_with_the_package():
 
 def test_fp8_needs_fp8_tensor_cores_and_a_recipe_the_gpu_has():
     with pytest.raises(ConfigError, match="fp8 needs FP8 tensor cores, which cluster.gpu 'a100_80gb' lacks"):
-        to_setup(compose(["cluster=a100_80gb", "train.precision=fp8"]))
+        to_scenario(compose(["cluster=a100_80gb", "train.precision=fp8"]))
     with pytest.raises(ConfigError, match="mxfp8 needs Blackwell"):
-        to_setup(compose(["train.precision=fp8", "train.fp8_recipe=mxfp8"]))
+        to_scenario(compose(["train.precision=fp8", "train.fp8_recipe=mxfp8"]))
     with pytest.raises(ConfigError, match="need train.precision=fp8"):
-        to_setup(compose(["train.fp8_recipe=delayed"]))
+        to_scenario(compose(["train.fp8_recipe=delayed"]))
     with pytest.raises(ConfigError, match="fp8_param_gather=true needs parallel.use_distributed_optimizer"):
-        to_setup(compose(["train.precision=fp8", "train.fp8_param_gather=true",
-                          "parallel.use_distributed_optimizer=false"]))
-    hopper = to_setup(compose(["train.precision=fp8"])).train
+        to_scenario(compose(["train.precision=fp8", "train.fp8_param_gather=true",
+                             "parallel.use_distributed_optimizer=false"]))
+    hopper = to_scenario(compose(["train.precision=fp8"])).train
     assert (hopper.fp8_recipe, hopper.fp8_param_gather) == ("tensorwise", True)
-    blackwell = to_setup(compose(["cluster=b200_192gb", "train.precision=fp8"])).train
+    blackwell = to_scenario(compose(["cluster=b200_192gb", "train.precision=fp8"])).train
     assert blackwell.fp8_recipe == "mxfp8"
-    blockwise = to_setup(compose(["train.precision=fp8", "train.fp8_recipe=blockwise"])).train
+    blockwise = to_scenario(compose(["train.precision=fp8", "train.fp8_recipe=blockwise"])).train
     assert blockwise.fp8_param_gather is False
 
 
 def test_runtime_group_is_validated_and_reaches_the_cluster():
-    setup = to_setup(compose([]))
-    assert setup.cluster.runtime.name == "megatron_core" and 0 < setup.cluster.runtime.gemm_scale("hopper") < 1
+    scenario = to_scenario(compose([]))
+    assert scenario.cluster.runtime.name == "megatron_core" and 0 < scenario.cluster.runtime.gemm_scale("hopper") < 1
     with pytest.raises(ConfigError, match="runtime.gemm_efficiency_scale=0.0 must be > 0"):
-        to_setup(compose(["runtime.gemm_efficiency_scale=0"]))
+        to_scenario(compose(["runtime.gemm_efficiency_scale=0"]))
     with pytest.raises(ConfigError, match="runtime.step_overhead_ms=-1"):
-        to_setup(compose(["runtime.step_overhead_ms=-1"]))
+        to_scenario(compose(["runtime.step_overhead_ms=-1"]))
     with pytest.raises(ConfigError, match="scale_up_gpus=6 must be a multiple of gpus_per_node=4"):
-        to_setup(compose(["cluster=gb200_nvl72", "cluster.scale_up_gpus=6"]))
-    gb200 = to_setup(compose(["cluster=gb200_nvl72"])).cluster
+        to_scenario(compose(["cluster=gb200_nvl72", "cluster.scale_up_gpus=6"]))
+    gb200 = to_scenario(compose(["cluster=gb200_nvl72"])).cluster
     assert gb200.domain_gpus == 72 and gb200.gpus_per_node == 4

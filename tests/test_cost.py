@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapipe.config import compose, to_setup
+from megapipe.config import compose, to_scenario
 from megapipe.cost import (
     Collective,
     activation_bytes_per_layer,
@@ -58,9 +58,9 @@ SWIGLU_GQA = ModelSpec(name="g", num_layers=3, hidden_size=256, num_attention_he
                        ffn_hidden_size=704, vocab_size=1024, seq_length=128, kv_channels=48, mtp_num_layers=1)
 
 
-def _setup(name: str):
-    return to_setup(compose([f"model={name}", "parallel.tensor_model_parallel_size=1",
-                             "parallel.pipeline_model_parallel_size=1"]))
+def _scenario(name: str):
+    return to_scenario(compose([f"model={name}", "parallel.tensor_model_parallel_size=1",
+                                "parallel.pipeline_model_parallel_size=1"]))
 
 
 # --- FLOPs -----------------------------------------------------------------------------------------
@@ -109,11 +109,11 @@ def test_flops_shard_exactly_over_tensor_and_context_parallel(tp, cp, mbs):
     ("llama3_8b", 8.03e9), ("llama3_70b", 70.6e9), ("llama3_405b", 405.8e9), ("gpt3_175b", 175e9),
 ])
 def test_parameter_count_matches_published(name, published):
-    assert parameter_count(_setup(name).model) == pytest.approx(published, rel=0.01)
+    assert parameter_count(_scenario(name).model) == pytest.approx(published, rel=0.01)
 
 
 def test_unit_parameters_add_up_to_the_model():
-    for model in (_setup("llama3_8b").model, SWIGLU_GQA):
+    for model in (_scenario("llama3_8b").model, SWIGLU_GQA):
         profile = layer_costs(model=model, gpu=H100, cluster=CLUSTER, parallel=ParallelSpec(),
                               train=TrainSpec(seq_length=128))
         assert sum(layer.param_count for layer in profile.layers) == pytest.approx(parameter_count(model))
@@ -179,7 +179,7 @@ def test_flash_and_fused_attention_drop_only_the_score_term(backend):
 
 def test_swiglu_gqa_activation_bytes_from_first_principles():
     """Llama 3 8B, one GPU, flash: no dropout masks, the 2f-wide SwiGLU input is kept."""
-    model = _setup("llama3_8b").model
+    model = _scenario("llama3_8b").model
     s, b, h, q, kv, f = 8192, 1, 4096, 4096, 1024, 14336
     norms_qkv_fc1_inputs = 4 * 2 * s * b * h
     attention = 2 * s * b * (q + kv) + 2 * s * b * kv + 2 * s * b * q
@@ -337,9 +337,9 @@ def test_48_layer_gpt_embedding_is_memory_heavy_and_compute_light():
     compute a few percent of a layer (a lookup). The *output* unit is the heavy one in both: the
     same weights as the embedding, and a head GEMM plus cross-entropy over 128k logits.
     """
-    setup = _setup("gpt_48l_128k")
-    train = TrainSpec(micro_batch_size=1, seq_length=setup.model.seq_length)
-    layers = layer_costs(model=setup.model, gpu=H100, cluster=CLUSTER, parallel=ParallelSpec(), train=train).layers
+    scenario = _scenario("gpt_48l_128k")
+    train = TrainSpec(micro_batch_size=1, seq_length=scenario.model.seq_length)
+    layers = layer_costs(model=scenario.model, gpu=H100, cluster=CLUSTER, parallel=ParallelSpec(), train=train).layers
     embedding, decoder, output = layers[0], layers[1], layers[-1]
     memory_ratio = embedding.static_bytes / decoder.static_bytes
     h, v, s = 2048, 131072, 4096

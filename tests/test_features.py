@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from megapipe.config import compose, to_setup
+from megapipe.config import compose, to_scenario
 from megapipe.cost import layer_costs
 from megapipe.cost.kernels import grouped_gemm_ms
 from megapipe.cost.moe import dispatch_ms, expected_reach
@@ -19,23 +19,24 @@ from megapipe.features import feature_problem, feature_variants
 from megapipe.records import TIME_PARTS, ParallelSpec, Recompute, RuntimeFeatures, RuntimeSpec, TrainSpec
 
 
-def _setup(*overrides):
-    return to_setup(compose(list(overrides)))
+def _scenario(*overrides):
+    return to_scenario(compose(list(overrides)))
 
 
 @pytest.fixture(scope="module")
 def qwen():
-    return _setup("model=qwen3_235b_a22b", "cluster.num_nodes=32", "parallel.tensor_model_parallel_size=2",
-                  "parallel.pipeline_model_parallel_size=8", "parallel.virtual_pipeline_model_parallel_size=4",
-                  "parallel.expert_model_parallel_size=32", "parallel.expert_tensor_parallel_size=1",
-                  "train.seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=2048",
-                  "train.moe_load_imbalance=1.0")
+    return _scenario("model=qwen3_235b_a22b", "cluster.num_nodes=32", "parallel.tensor_model_parallel_size=2",
+                     "parallel.pipeline_model_parallel_size=8", "parallel.virtual_pipeline_model_parallel_size=4",
+                     "parallel.expert_model_parallel_size=32", "parallel.expert_tensor_parallel_size=1",
+                     "train.seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=2048",
+                     "train.moe_load_imbalance=1.0")
 
 
-def _layer(setup, **features):
-    parallel = dataclasses.replace(setup.parallel, features=dataclasses.replace(setup.parallel.features, **features))
-    profile = layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster, parallel=parallel,
-                          train=setup.train)
+def _layer(scenario, **features):
+    parallel = dataclasses.replace(scenario.parallel,
+                                   features=dataclasses.replace(scenario.parallel.features, **features))
+    profile = layer_costs(model=scenario.model, gpu=scenario.cluster.gpu, cluster=scenario.cluster, parallel=parallel,
+                          train=scenario.train)
     return profile.layers[1]
 
 
@@ -68,14 +69,14 @@ def _part(layer, name):
     (dict(recompute_modules=("everything",)), dict(expert_model_parallel_size=8), "recompute_modules holds"),
 ])
 def test_each_requirement_is_one_line_naming_the_fix(features, parallel, fragment):
-    model = _setup("model=deepseek_v3" if features.get("moe_shared_expert_overlap") else "model=mixtral_8x7b").model
+    model = _scenario("model=deepseek_v3" if features.get("moe_shared_expert_overlap") else "model=mixtral_8x7b").model
     train = TrainSpec(recompute_granularity=Recompute.selective)
     problem = feature_problem(RuntimeFeatures(**features), model=model, parallel=ParallelSpec(**parallel), train=train)
     assert problem is not None and fragment in problem and "\n" not in problem
 
 
 def test_dense_models_refuse_moe_features_and_accept_the_defaults():
-    model = _setup("model=llama3_8b").model
+    model = _scenario("model=llama3_8b").model
     assert feature_problem(RuntimeFeatures(), model=model, parallel=ParallelSpec(), train=TrainSpec()) is None
     problem = feature_problem(RuntimeFeatures(moe_permute_fusion=True), model=model, parallel=ParallelSpec(),
                               train=TrainSpec())
@@ -84,7 +85,7 @@ def test_dense_models_refuse_moe_features_and_accept_the_defaults():
 
 def test_fast_public_combinations_are_accepted():
     """What Megatron-Bridge's performance recipes run (DeepSeek-V3 on GB200, Qwen3-30B on H100)."""
-    model = _setup("model=deepseek_v3").model
+    model = _scenario("model=deepseek_v3").model
     features = RuntimeFeatures(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
                                overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, moe_permute_fusion=True,
                                moe_router_fusion=True, cuda_graph_impl="transformer_engine",
@@ -118,12 +119,13 @@ def test_expected_reach_bounds_and_group_limited_routing():
     assert limited == pytest.approx(4.0) and expected_reach(bins=8, experts=256, topk=8) > 5.0
 
 
-def _device(setup):
-    parallel = setup.parallel
-    return Device(gpu=setup.cluster.gpu, runtime=setup.cluster.runtime, tp_comm_overlap=False, cluster=setup.cluster,
-                  link=tensor_parallel_link(cluster=setup.cluster,
+def _device(scenario):
+    parallel = scenario.parallel
+    return Device(gpu=scenario.cluster.gpu, runtime=scenario.cluster.runtime, tp_comm_overlap=False,
+                  cluster=scenario.cluster,
+                  link=tensor_parallel_link(cluster=scenario.cluster,
                                             tensor_model_parallel_size=parallel.tensor_model_parallel_size),
-                  cp_link=p2p_link(cluster=setup.cluster, span=2))
+                  cp_link=p2p_link(cluster=scenario.cluster, span=2))
 
 
 def test_deepep_sends_one_copy_per_node_so_it_beats_alltoall_across_nodes(qwen):
@@ -170,7 +172,7 @@ def test_forced_balance_is_near_one_and_dropless_routing_costs_more(qwen):
 
 def test_grouped_gemm_reproduces_deepgemm_small_m_roll_off():
     """DeepGEMM's published H800 FP8 table (README at 327ec92f): the grouped-GEMM model within 15% on each row."""
-    gpu = _setup("cluster=h100_80gb").cluster.gpu
+    gpu = _scenario("cluster=h100_80gb").cluster.gpu
     gpu = dataclasses.replace(gpu, fp8_matmul_efficiency=0.7)
     table = [(4, 256, 4096, 7168, 932), (2, 512, 4096, 7168, 1040), (4, 8192, 4096, 7168, 1346),
              (8, 4096, 7168, 2048, 1214), (4, 256, 7168, 2048, 815)]
@@ -195,7 +197,7 @@ def test_recompute_modules_trade_memory_for_time(qwen):
 # -- search and emission ----------------------------------------------------------------------------------------
 
 def test_free_features_are_searched_and_given_ones_kept():
-    model = _setup("model=mixtral_8x7b").model
+    model = _scenario("model=mixtral_8x7b").model
     free = feature_variants(RuntimeFeatures(), model=model, free=frozenset(
         ("moe_token_dispatcher_type", "overlap_moe_expert_parallel_comm", "cuda_graph_scope")))
     assert {f.dispatcher for f in free} == {"alltoall", "deepep", "hybridep"}
@@ -204,7 +206,7 @@ def test_free_features_are_searched_and_given_ones_kept():
     pinned = feature_variants(RuntimeFeatures(moe_token_dispatcher_type="alltoall"), model=model,
                               free=frozenset(("cuda_graph_scope",)))
     assert {f.dispatcher for f in pinned} == {"alltoall"} and len(pinned) == 2
-    dense = _setup("model=llama3_8b").model
+    dense = _scenario("model=llama3_8b").model
     assert feature_variants(RuntimeFeatures(), model=dense, free=frozenset(("cuda_graph_scope",))) == (RuntimeFeatures(),)
 
 
@@ -220,7 +222,7 @@ def test_plan_prints_the_moe_runtime_it_chose(tmp_path, capsys):
 
 
 def test_emission_spells_every_feature_in_megatron_names():
-    model = _setup("model=deepseek_v3").model
+    model = _scenario("model=deepseek_v3").model
     features = RuntimeFeatures(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep",
                                overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, moe_permute_fusion=True,
                                moe_router_fusion=True, cuda_graph_impl="transformer_engine",
@@ -247,7 +249,7 @@ def test_feature_keys_are_transformer_config_fields_of_megatron_core():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     names = {field.name for field in dc.fields(TransformerConfig)}
-    model = _setup("model=deepseek_v3").model
+    model = _scenario("model=deepseek_v3").model
     features = RuntimeFeatures(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
                                moe_permute_fusion=True, moe_router_fusion=True, cuda_graph_impl="transformer_engine",
                                cuda_graph_scope=("attn",), moe_router_force_load_balancing=True,

@@ -21,10 +21,10 @@ def test_non_editable_install_ships_hydra_conf(tmp_path):
                     "--target", str(target), str(source)], check=True, cwd=tmp_path)
     shutil.rmtree(source)
     probe = (
-        "import megapipe, os; from megapipe.config import conf_dir, compose, to_setup;"
+        "import megapipe, os; from megapipe.config import conf_dir, compose, to_scenario;"
         f"d = conf_dir(); assert d.startswith({str(target)!r}), d;"
         "assert os.path.isfile(os.path.join(d, 'model', 'llama3_70b.yaml'));"
-        "print(to_setup(compose(['model=llama3_8b'])).model.num_layers)"
+        "print(to_scenario(compose(['model=llama3_8b'])).model.num_layers)"
     )
     out = subprocess.run([sys.executable, "-c", probe], check=True, cwd=tmp_path, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(target)})

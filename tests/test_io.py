@@ -43,10 +43,10 @@ def test_fast_emitter_writes_the_pure_emitters_bytes(tmp_path):
     from megapipe.profile.format import profile_to_dict
 
     job = prepare(compose(["model=tiny_gpt", "cluster=cpu_gloo", "train.global_batch_size=8"]))
-    setup = job.setup
-    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=setup.fixed,
-                    options=setup.search)
-    document = plan_document(result=result, model=setup.model, cluster=setup.cluster, inputs=job.inputs)
+    scenario = job.scenario
+    result = search(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=scenario.fixed,
+                    options=job.search)
+    document = plan_document(result=result, model=scenario.model, cluster=scenario.cluster, inputs=job.inputs)
     pure = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=120)
     assert files.dump_yaml(document) == pure
     profile = profile_to_dict(_profile())

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megapipe.config import compose, to_setup
+from megapipe.config import compose, to_scenario
 from megapipe.cost import active_parameter_count, model_flops_per_token, parameter_count
 from megapipe.errors import ConfigError
 
@@ -16,7 +16,7 @@ PRESETS = ("deepseek_v3", "qwen3_30b_a3b", "qwen3_235b_a22b", "gpt_oss_120b", "m
 
 
 def _model(name: str, *overrides: str):
-    return to_setup(compose([f"model={name}", *overrides])).model
+    return to_scenario(compose([f"model={name}", *overrides])).model
 
 
 def _within_published(count: float, published_b: float, digits: int) -> bool:
@@ -172,16 +172,16 @@ def test_first_k_dense_and_int_moe_layer_freq():
 
 
 # -- parallel sizes -------------------------------------------------------------------------------------------
-def _setup(*overrides: str):
-    return to_setup(compose(list(overrides)))
+def _scenario(*overrides: str):
+    return to_scenario(compose(list(overrides)))
 
 
 def test_expert_parallel_divisibility_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"expert_model_parallel_size=3 does not divide .*use one of \[1, 2, 4, 8\]"):
-        _setup("model=mixtral_8x7b", "parallel.expert_model_parallel_size=3", "parallel.tensor_model_parallel_size=1",
-               "parallel.pipeline_model_parallel_size=1")
+        _scenario("model=mixtral_8x7b", "parallel.expert_model_parallel_size=3", "parallel.tensor_model_parallel_size=1",
+                  "parallel.pipeline_model_parallel_size=1")
     with pytest.raises(ConfigError, match="expert_model_parallel_size"):  # dense model
-        _setup("model=llama3_8b", "parallel.expert_model_parallel_size=2")
+        _scenario("model=llama3_8b", "parallel.expert_model_parallel_size=2")
 
 
 def test_expert_parameters_shard_over_ep_etp_and_their_optimizer_over_expert_dp():
@@ -201,7 +201,7 @@ def test_expert_parameters_shard_over_ep_etp_and_their_optimizer_over_expert_dp(
 def test_all_to_all_is_cheaper_inside_the_nvlink_domain():
     from megapipe.cost.comm import all_to_all_ms
 
-    cluster = _setup("cluster=h100_80gb").cluster
+    cluster = _scenario("cluster=h100_80gb").cluster
     num_bytes = 256 * 2**20
     inside = all_to_all_ms(num_bytes=num_bytes, group_size=8, cluster=cluster)
     across = all_to_all_ms(num_bytes=num_bytes, group_size=16, cluster=cluster)
@@ -215,15 +215,15 @@ def test_all_to_all_is_cheaper_inside_the_nvlink_domain():
 def test_search_enumerates_expert_parallel_with_sequence_parallel_forced():
     from megapipe.plan.space import enumerate_candidates
 
-    setup = _setup("model=mixtral_8x7b", "cluster.num_nodes=4", "train.global_batch_size=256")
-    space = enumerate_candidates(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=dict(setup.fixed),
-                                 template=setup.parallel)
+    scenario = _scenario("model=mixtral_8x7b", "cluster.num_nodes=4", "train.global_batch_size=256")
+    space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
+                                 fixed=dict(scenario.fixed), template=scenario.parallel)
     candidates = [space.candidate(point) for point in space.points]
     eps = {c.parallel.expert_model_parallel_size for c in candidates}
-    assert {1, 2, 4, 8} <= eps and max(eps) <= setup.model.num_moe_experts
+    assert {1, 2, 4, 8} <= eps and max(eps) <= scenario.model.num_moe_experts
     for cand in candidates:
         par = cand.parallel
-        assert setup.model.num_moe_experts % par.expert_model_parallel_size == 0
+        assert scenario.model.num_moe_experts % par.expert_model_parallel_size == 0
         stage = par.tensor_model_parallel_size * par.data_parallel_size * par.context_parallel_size
         assert stage % (par.expert_model_parallel_size * par.expert_tp) == 0  # EP folds into the stage's ranks
         if par.tensor_model_parallel_size > 1:
@@ -235,20 +235,20 @@ def test_dispatcher_buffers_scale_with_tokens_and_warn_past_the_reserve():
     from megapipe.plan.warnings import plan_warnings
     from megapipe.records import ParallelSpec, TrainSpec
 
-    setup = _setup("model=deepseek_v3")
+    scenario = _scenario("model=deepseek_v3")
     par = ParallelSpec(tensor_model_parallel_size=1, pipeline_model_parallel_size=16, data_parallel_size=8,
                        expert_model_parallel_size=8)
-    one = dispatcher_transient_bytes(model=setup.model, parallel=par, train=TrainSpec(micro_batch_size=1, seq_length=4096))
-    four = dispatcher_transient_bytes(model=setup.model, parallel=par, train=TrainSpec(micro_batch_size=4, seq_length=4096))
+    one = dispatcher_transient_bytes(model=scenario.model, parallel=par, train=TrainSpec(micro_batch_size=1, seq_length=4096))
+    four = dispatcher_transient_bytes(model=scenario.model, parallel=par, train=TrainSpec(micro_batch_size=4, seq_length=4096))
     from megapipe.cost.shapes import forced_balance_imbalance
 
     spread = forced_balance_imbalance(assignments=4096 * 8, ranks=8)  # random routing's busiest of 8 ranks
     assert one == pytest.approx(2 * 4096 * 8 * 7168 * 2 * spread)  # send + receive of 4096 tokens x top-8, bf16
     assert four == pytest.approx(4 * one * forced_balance_imbalance(assignments=4 * 4096 * 8, ranks=8) / spread)
     assert dispatcher_transient_bytes(model=_model("llama3_8b"), parallel=ParallelSpec(), train=TrainSpec()) == 0.0
-    quiet = plan_warnings(parallel=par, train=TrainSpec(), cluster=setup.cluster, bubble_fraction=0.1,
+    quiet = plan_warnings(parallel=par, train=TrainSpec(), cluster=scenario.cluster, bubble_fraction=0.1,
                           num_microbatches=8, dispatcher_bytes=one)
-    loud = plan_warnings(parallel=par, train=TrainSpec(), cluster=setup.cluster, bubble_fraction=0.1,
+    loud = plan_warnings(parallel=par, train=TrainSpec(), cluster=scenario.cluster, bubble_fraction=0.1,
                          num_microbatches=8, dispatcher_bytes=four * 4)
     assert not any("dispatch" in w for w in quiet) and any("MoE token dispatch" in w for w in loud)
 
@@ -257,13 +257,13 @@ def test_load_imbalance_is_stated_and_slows_the_experts():
     from megapipe.cost.layers import layer_costs
     from megapipe.records import ParallelSpec
 
-    setup = _setup("model=qwen3_30b_a3b")
+    scenario = _scenario("model=qwen3_30b_a3b")
     par = ParallelSpec(tensor_model_parallel_size=1, pipeline_model_parallel_size=4, data_parallel_size=8,
                        expert_model_parallel_size=8)
 
     def moe_layer(imbalance: float):
-        train = dataclasses.replace(setup.train, moe_load_imbalance=imbalance)
-        return layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster, parallel=par,
+        train = dataclasses.replace(scenario.train, moe_load_imbalance=imbalance)
+        return layer_costs(model=scenario.model, gpu=scenario.cluster.gpu, cluster=scenario.cluster, parallel=par,
                            train=train).layers[1]
 
     from megapipe.records import TIME_PARTS
@@ -274,7 +274,7 @@ def test_load_imbalance_is_stated_and_slows_the_experts():
     assert skewed.act_bytes > balanced.act_bytes
     assert skewed.static_bytes == balanced.static_bytes
     with pytest.raises(ConfigError, match="moe_load_imbalance"):
-        _setup("model=qwen3_30b_a3b", "train.moe_load_imbalance=0.5")
+        _scenario("model=qwen3_30b_a3b", "train.moe_load_imbalance=0.5")
 
 
 # -- layouts with MTP ----------------------------------------------------------------------------------------
@@ -299,12 +299,12 @@ def test_solver_keeps_mtp_where_megatron_builds_it():
     from megapipe.partition import StageSpec, solve
     from megapipe.records import ParallelSpec
 
-    setup = _setup("model=deepseek_v3")
+    scenario = _scenario("model=deepseek_v3")
     for pp, vp in ((4, 1), (8, 1), (4, 2), (8, 4)):
         par = ParallelSpec(tensor_model_parallel_size=8, pipeline_model_parallel_size=pp, data_parallel_size=16,
                            sequence_parallel=True, virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=16)
-        profile = layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster, parallel=par,
-                              train=setup.train)
+        profile = layer_costs(model=scenario.model, gpu=scenario.cluster.gpu, cluster=scenario.cluster, parallel=par,
+                              train=scenario.train)
         part = solve(profile, [StageSpec()] * pp, num_microbatches=32, check_memory=False,
                      schedule="interleaved_1f1b" if vp > 1 else "1f1b", virtual_pipeline_model_parallel_size=vp)
         assert mtp_problem(parse_layout(part.layout), pipeline_model_parallel_size=pp) is None, part.layout

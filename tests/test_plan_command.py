@@ -59,15 +59,16 @@ def test_plan_table_output(tmp_path, capsys):
 def test_plan_table_is_readable_when_piped(monkeypatch, capsys):
     """Without a terminal or COLUMNS, rich would fold the columns into 80; the table keeps whole headers."""
     from megapipe.commands.plan import print_plans
-    from megapipe.config import compose, to_setup
+    from megapipe.config import compose, to_scenario
+    from megapipe.config.options import search_options
     from megapipe.plan.search import search
 
     monkeypatch.delenv("COLUMNS", raising=False)
     cfg = compose(TINY)
-    setup = to_setup(cfg, search=True)
-    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=setup.fixed,
-                    options=setup.search)
-    print_plans(result, setup=setup, directory="plan-dir")
+    scenario = to_scenario(cfg, search=True)
+    result = search(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=scenario.fixed,
+                    options=search_options(cfg))
+    print_plans(result, scenario=scenario, directory="plan-dir")
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if "tok/s/GPU" in line)
     assert all(name in header for name in ("TP/PP/DP/CP/VP", "schedule", "recompute", "peak GiB", "$/1M tok"))
@@ -133,19 +134,20 @@ def test_writeups_experiment_explains_their_configuration(capsys):
     """experiment=writeup_70b prints the write-ups' TP=4 PP=8 DP=4 next to the best plan, with where the time went;
     the defaults carry no such row (it is the write-ups' experiment, not every model's)."""
     from megapipe.commands.plan import compare_line
-    from megapipe.config import compose, to_setup
+    from megapipe.config import compose, to_scenario
+    from megapipe.config.options import search_options
     from megapipe.plan.search import search
 
-    assert to_setup(compose([]), search=True).search.reference is None
+    assert search_options(compose([])).reference is None
     cfg = compose(["+experiment=writeup_70b", "output.pictures=false"])
-    setup = to_setup(cfg, search=True)
-    result = search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=setup.fixed,
-                    options=setup.search, use_distributed_optimizer=setup.parallel.use_distributed_optimizer)
+    scenario, options = to_scenario(cfg, search=True), search_options(cfg)
+    result = search(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=scenario.fixed,
+                    options=options, use_distributed_optimizer=scenario.parallel.use_distributed_optimizer)
     ref, best = result.reference, result.best
     assert (ref.parallel.tensor_model_parallel_size, ref.parallel.pipeline_model_parallel_size,
             ref.parallel.data_parallel_size) == (4, 8, 4)
     assert best.tokens_per_s >= ref.tokens_per_s
-    line = compare_line(best, ref, setup.search.reference)
+    line = compare_line(best, ref, options.reference)
     assert "reported 850 tok/s/GPU" in line and f"megapipe predicts {ref.tokens_per_s_per_gpu:,.0f}" in line
     assert f"{best.tokens_per_s / ref.tokens_per_s - 1:+.1%}" in line
     assert f"bubble {ref.bubble_fraction:.1%} -> {best.bubble_fraction:.1%}" in line

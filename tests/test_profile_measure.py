@@ -152,7 +152,7 @@ CPU_RUN = ["model=tiny_gpt", "cluster=cpu_gloo", "parallel.pipeline_model_parall
 def test_cli_profile_then_calibrate(tmp_path, capsys) -> None:
     """`megapipe profile` writes a valid profile; `megapipe calibrate` fits it and writes a usable overlay."""
     from megapipe.cli import main
-    from megapipe.config import compose, to_setup
+    from megapipe.config import compose, to_scenario
 
     code = main(["profile", *CPU_RUN, f"output.dir={tmp_path}", "output.format=json",
                  "extra={iters: 2, warmup: 0, num_threads: 1}"])
@@ -165,9 +165,9 @@ def test_cli_profile_then_calibrate(tmp_path, capsys) -> None:
                  "output.format=json"])
     assert code == 0
     assert '"overlay"' in capsys.readouterr().out
-    setup = to_setup(compose([*CPU_RUN, f"hydra.searchpath=[file://{tmp_path}]", "+calibration=cpu"]))
+    scenario = to_scenario(compose([*CPU_RUN, f"hydra.searchpath=[file://{tmp_path}]", "+calibration=cpu"]))
     fitted = yaml.safe_load((tmp_path / "calibration" / "cpu.yaml").read_text())["cluster"]["gpu"]
-    assert setup.cluster.gpu.kernel_overhead_us == fitted["kernel_overhead_us"]
+    assert scenario.cluster.gpu.kernel_overhead_us == fitted["kernel_overhead_us"]
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:

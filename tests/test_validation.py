@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from megapipe.config import compose, to_setup
+from megapipe.config import compose, to_scenario
 from megapipe.errors import ConfigError
 from megapipe.validation.runs import PUBLIC_RUNS, read_runs
 from megapipe.records import RuntimeSpec
@@ -28,8 +28,8 @@ def _clusters(runs):
     found = {}
     for run in runs:
         if run.cluster not in found:
-            found[run.cluster] = to_setup(compose([f"cluster={run.cluster}", "parallel.tensor_model_parallel_size=1",
-                                                   "parallel.pipeline_model_parallel_size=1"])).cluster
+            found[run.cluster] = to_scenario(compose([f"cluster={run.cluster}", "parallel.tensor_model_parallel_size=1",
+                                                      "parallel.pipeline_model_parallel_size=1"])).cluster
     return [found[run.cluster] for run in runs]
 
 
@@ -140,8 +140,9 @@ def test_validate_command_writes_the_table_and_a_runtime_file(tmp_path, capsys):
     conf = tmp_path / "conf" / "runtime"
     conf.mkdir(parents=True)
     (conf / "fitted.yaml").write_text((tmp_path / "out" / "runtime.yaml").read_text())
-    setup = to_setup(compose([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "runtime=fitted"]))
-    assert setup.cluster.runtime.gemm_scale("hopper") == pytest.approx(runtime["gemm_efficiency_by_architecture"]["hopper"])
+    scenario = to_scenario(compose([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "runtime=fitted"]))
+    assert scenario.cluster.runtime.gemm_scale("hopper") == pytest.approx(
+        runtime["gemm_efficiency_by_architecture"]["hopper"])
 
 
 def test_validate_rejects_bad_input_in_one_line(tmp_path, capsys):
@@ -161,7 +162,7 @@ def test_committed_runtime_is_the_fit_on_the_public_runs():
     flat along some directions, and the file keeps 4 digits)."""
     runs = read_runs()
     clusters = _clusters(runs)
-    committed = to_setup(compose([])).cluster.runtime
+    committed = to_scenario(compose([])).cluster.runtime
     resolved = [resolve(run, base) for run, base in zip(runs, clusters)]
     fitted = fit_stages(RunSet(resolved, clusters), start=committed, stages=stages_of(resolved), max_iter=3)
     for arch, value in committed.gemm_efficiency_by_architecture:

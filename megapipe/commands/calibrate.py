@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megapipe.commands.common import MonitoredRun, console, print_json, read_monitored_run
-from megapipe.config import Setup, runtime_of, to_setup
+from megapipe.config import Scenario, runtime_of, to_scenario
 from megapipe.config.options import output_options
 from megapipe.cost.calibrate import FIELDS, cross_validate, fit_gpu, overlay_yaml, sample_from_profile
 from megapipe.errors import ConfigError, ProfileError
 from megapipe.files import atomic_write_text
+from megapipe.options import OutputOptions
 from megapipe.profile.format import load_profile
 from megapipe.records import RuntimeSpec
 from megapipe.validation.fit import RunSet
@@ -49,11 +50,20 @@ from megapipe.validation.monitored import (
 )
 from megapipe.validation.report import runtime_yaml
 
-__all__ = ["RunsJob", "prepare", "run"]
+__all__ = ["CalibrateInputs", "CalibrateRunsInputs", "prepare", "run"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RunsJob:
+class CalibrateInputs:
+    """``calibrate PROFILE ...``: the cluster whose GPU is fitted and the profiles to fit it to."""
+
+    scenario: Scenario
+    paths: tuple[str, ...]
+    output: OutputOptions
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CalibrateRunsInputs:
     """``calibrate RUN_DIR ...``: the monitored runs, read, and the runtime the fit starts from."""
 
     runs: tuple[MonitoredRun, ...]
@@ -73,13 +83,13 @@ def _inputs(cfg: DictConfig) -> list[str]:
     return paths
 
 
-def _paths(setup: Setup) -> list[str]:
-    if not setup.input:
+def _paths(cfg: DictConfig) -> list[str]:
+    if not cfg.get("input"):
         raise ConfigError("no profile given; run `megapipe calibrate PROFILE [PROFILE ...]`")
-    return [path for path in str(setup.input).split(os.pathsep) if path]
+    return [path for path in str(cfg.get("input")).split(os.pathsep) if path]
 
 
-def prepare(cfg: DictConfig) -> Setup | RunsJob:
+def prepare(cfg: DictConfig) -> CalibrateInputs | CalibrateRunsInputs:
     paths = _inputs(cfg)
     if os.path.isdir(paths[0]):
         runs = tuple(read_monitored_run(cfg, command="calibrate", run_dir=path) for path in paths)
@@ -87,20 +97,18 @@ def prepare(cfg: DictConfig) -> Setup | RunsJob:
             if not math.isfinite(item.measured.step_time_ms):
                 raise ConfigError(f"the monitor log of {item.run_dir!r} has no step times; calibrate from a run "
                                   "whose monitor logged its steps (attach_monitor, log_every)")
-        return RunsJob(runs=runs, start=runtime_of(cfg), json=output_options(cfg).json)
-    setup = to_setup(cfg)
-    _paths(setup)
-    return setup
+        return CalibrateRunsInputs(runs=runs, start=runtime_of(cfg), json=output_options(cfg).json)
+    scenario = to_scenario(cfg)
+    return CalibrateInputs(scenario=scenario, paths=tuple(_paths(cfg)), output=output_options(cfg))
 
 
-def run(job: Setup | RunsJob, *, directory: str) -> None:
-    if isinstance(job, RunsJob):
+def run(job: CalibrateInputs | CalibrateRunsInputs, *, directory: str) -> None:
+    if isinstance(job, CalibrateRunsInputs):
         _run_monitored(job, directory=directory)
         return
-    setup = job
-    gpu = setup.cluster.gpu
+    gpu = job.scenario.cluster.gpu
     samples = []
-    for path in _paths(setup):
+    for path in job.paths:
         profile = load_profile(path)
         if profile.device != gpu.name:
             raise ProfileError(
@@ -129,7 +137,7 @@ def run(job: Setup | RunsJob, *, directory: str) -> None:
         "overrides": [f"cluster.gpu.{name}={float(f'{getattr(calibration.gpu, name):.6g}')!r}" for name in FIELDS],
     }
     atomic_write_text(os.path.join(directory, "calibration.json"), json.dumps(result, indent=2) + "\n")
-    if setup.output.json:
+    if job.output.json:
         print_json(result)
         return
     _print(result, directory=directory)
@@ -163,21 +171,21 @@ def _print(result: dict, *, directory: str) -> None:
 
 # ---------------------------------------------------------------------- monitored runs
 
-def _run_set(job: RunsJob) -> RunSet:
+def _run_set(job: CalibrateRunsInputs) -> RunSet:
     resolved, clusters = [], []
     for item in job.runs:
-        setup = item.setup
+        scenario = item.scenario
         resolved.append(monitored_resolved(
-            name=item.run_dir, cluster=setup.cluster.name, model=setup.model, parallel=setup.parallel,
-            train=setup.train, gpus_per_node=setup.cluster.gpus_per_node, measured=item.measured))
-        clusters.append(setup.cluster)
+            name=item.run_dir, cluster=scenario.cluster.name, model=scenario.model, parallel=scenario.parallel,
+            train=scenario.train, gpus_per_node=scenario.cluster.gpus_per_node, measured=item.measured))
+        clusters.append(scenario.cluster)
     return RunSet(resolved, clusters)
 
 
-def _fields(job: RunsJob) -> tuple[str, ...]:
+def _fields(job: CalibrateRunsInputs) -> tuple[str, ...]:
     names: list[str] = []
     for item in job.runs:
-        names += [name for name in calibration_fields(item.setup.cluster.gpu.architecture) if name not in names]
+        names += [name for name in calibration_fields(item.scenario.cluster.gpu.architecture) if name not in names]
     return tuple(names)
 
 
@@ -187,7 +195,7 @@ def _errors_dict(errors: RunErrors) -> dict:
             "mean_abs_stage_error": round(errors.mean_abs_stage, 6)}
 
 
-def _run_monitored(job: RunsJob, *, directory: str) -> None:
+def _run_monitored(job: CalibrateRunsInputs, *, directory: str) -> None:
     runs = _run_set(job)
     calibration = calibrate_runs(runs, [item.measured for item in job.runs], start=job.start, fields=_fields(job))
     fitted = dataclasses.replace(calibration.runtime, name=f"{job.start.name}_calibrated")
@@ -205,7 +213,7 @@ def _run_monitored(job: RunsJob, *, directory: str) -> None:
         "fields": [{"name": name, "start": old, "fitted": new, "determined": determined}
                    for name, old, new, determined in changes],
         "runs": [
-            {"run_dir": item.run_dir, "layout": item.measured.layout, "gpu": item.setup.cluster.gpu.name,
+            {"run_dir": item.run_dir, "layout": item.measured.layout, "gpu": item.scenario.cluster.gpu.name,
              "measured_step_ms": round(item.measured.step_time_ms, 6),
              "measured_stage_compute_ms": [round(value, 6) for value in item.measured.stage_compute_ms],
              "steps": item.measured.num_steps,

@@ -1,4 +1,4 @@
-"""What several commands share: the profile a setup is costed with, its stage specs and p2p cost, console output,
+"""What several commands share: the profile a scenario is costed with, its stage specs and p2p cost, console output,
 and a monitored run's directory read (replan, calibrate).
 
 No command imports another; they all import this.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from megapipe import cost
-from megapipe.config import Setup, to_setup
+from megapipe.config import Scenario, to_scenario
 from megapipe.errors import ConfigError
 from megapipe.plandir import PLAN_FILE, read_plan
 from megapipe.profile.format import load_profile
@@ -30,7 +30,7 @@ from megapipe.schedules import megatron_schedule
 from megapipe.simulate import P2PCost, StageTimes
 from megapipe.simulate import inputs as simulate_inputs
 
-__all__ = ["matched_profile", "setup_profile", "setup_stage_specs", "stage_times", "pipeline_p2p", "print_json",
+__all__ = ["matched_profile", "scenario_profile", "stage_specs_of", "stage_times", "pipeline_p2p", "print_json",
            "console", "warn", "MonitoredRun", "read_monitored_run"]
 
 _PIPED_WIDTH = 160
@@ -42,37 +42,38 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def matched_profile(setup: Setup) -> Profile:
+def matched_profile(scenario: Scenario, path: str) -> Profile:
     """The ``profile=FILE`` profile, checked against the model's shape and scaled for the cluster's GPU."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        profile = match_profile(load_profile(setup.profile_path), model=setup.model, gpu=setup.cluster.gpu)
+        profile = match_profile(load_profile(path), model=scenario.model, gpu=scenario.cluster.gpu)
     for warning in caught:
         warn(str(warning.message))
     return profile
 
 
-def setup_profile(setup: Setup) -> Profile:
-    """The measured profile given with ``profile=FILE`` (checked against the model), else the cost model's."""
-    if setup.profile_path:
-        return matched_profile(setup)
-    return cost.layer_costs(model=setup.model, gpu=setup.cluster.gpu, cluster=setup.cluster,
-                            parallel=setup.parallel, train=setup.train)
+def scenario_profile(scenario: Scenario, profile_path: str | None) -> Profile:
+    """The measured profile at ``profile_path`` (``profile=FILE``, checked against the model), else the cost
+    model's."""
+    if profile_path:
+        return matched_profile(scenario, profile_path)
+    return cost.layer_costs(model=scenario.model, gpu=scenario.cluster.gpu, cluster=scenario.cluster,
+                            parallel=scenario.parallel, train=scenario.train)
 
 
-def setup_stage_specs(setup: Setup, *, pipeline_model_parallel_size: int | None = None,
-                      gpus: tuple[GpuSpec, ...] | None = None) -> tuple[StageSpec, ...]:
-    """StageSpecs for the setup's cluster (placed by :func:`megapipe.placement.default_gpus` unless ``gpus``),
+def stage_specs_of(scenario: Scenario, *, pipeline_model_parallel_size: int | None = None,
+                   gpus: tuple[GpuSpec, ...] | None = None) -> tuple[StageSpec, ...]:
+    """StageSpecs for the scenario's cluster (placed by :func:`megapipe.placement.default_gpus` unless ``gpus``),
     each GPU type's time scale the ratio of its modelled layer times to the reference GPU's, as in the planner."""
-    pp = pipeline_model_parallel_size or setup.parallel.pipeline_model_parallel_size
-    placed = gpus or default_gpus(setup.cluster, pp)
+    pp = pipeline_model_parallel_size or scenario.parallel.pipeline_model_parallel_size
+    placed = gpus or default_gpus(scenario.cluster, pp)
 
     def layers_of(gpu: GpuSpec):
-        return cost.layer_costs(model=setup.model, gpu=gpu, cluster=setup.cluster, parallel=setup.parallel,
-                                train=setup.train).layers
+        return cost.layer_costs(model=scenario.model, gpu=gpu, cluster=scenario.cluster, parallel=scenario.parallel,
+                                train=scenario.train).layers
 
-    return modelled_stage_specs(placed, reference=setup.cluster.gpu, layers_of=layers_of,
-                                microbatch_overhead_ms=setup.cluster.runtime.microbatch_overhead_ms)
+    return modelled_stage_specs(placed, reference=scenario.cluster.gpu, layers_of=layers_of,
+                                microbatch_overhead_ms=scenario.cluster.runtime.microbatch_overhead_ms)
 
 
 def stage_times(profile: Profile, part: Partition, specs: tuple[StageSpec, ...], stage_to_rank) -> StageTimes:
@@ -81,10 +82,10 @@ def stage_times(profile: Profile, part: Partition, specs: tuple[StageSpec, ...],
                                        stage_to_rank=stage_to_rank, specs=specs)
 
 
-def pipeline_p2p(setup: Setup) -> P2PCost:
+def pipeline_p2p(scenario: Scenario) -> P2PCost:
     """The configured model's message between pipeline neighbours on the configured cluster."""
-    return simulate_inputs.p2p_cost(model=setup.model, cluster=setup.cluster, parallel=setup.parallel,
-                                    train=setup.train)
+    return simulate_inputs.p2p_cost(model=scenario.model, cluster=scenario.cluster, parallel=scenario.parallel,
+                                    train=scenario.train)
 
 
 def print_json(document: dict) -> None:
@@ -106,10 +107,10 @@ def console(*, width: int | None = None, soft_wrap: bool = False):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MonitoredRun:
-    """A monitored run's directory, read once: its measurements, its plan.yaml when it has one, its setup."""
+    """A monitored run's directory, read once: its measurements, its plan.yaml when it has one, its scenario."""
 
     run_dir: str
-    setup: Setup
+    scenario: Scenario
     """The run's settings: plan.yaml's inputs and best plan, else the config with the log's pipeline sizes."""
     measured: MeasuredRun
     plan: dict | None
@@ -118,13 +119,13 @@ class MonitoredRun:
 
 def read_monitored_run(cfg: DictConfig, *, command: str, run_dir: str | None = None) -> MonitoredRun:
     """RUN_DIR (``run_dir``, else ``input``): the monitor's logs (RUN_DIR or RUN_DIR/monitor), plan.yaml when
-    present, the setup."""
+    present, the scenario."""
     run_dir = run_dir or _run_dir(cfg, command)
     plan = read_plan(run_dir) if os.path.isfile(os.path.join(run_dir, PLAN_FILE)) else None
     measured = measured_run(read_monitor(run_dir), layout=plan["best"].get("layout") if plan else None)
-    setup = _plan_setup(plan) if plan is not None else _config_setup(cfg, measured)
-    _check_sizes(setup, measured, plan)
-    return MonitoredRun(run_dir=run_dir, setup=setup, measured=measured, plan=plan)
+    scenario = _plan_scenario(plan) if plan is not None else _config_scenario(cfg, measured)
+    _check_sizes(scenario, measured, plan)
+    return MonitoredRun(run_dir=run_dir, scenario=scenario, measured=measured, plan=plan)
 
 
 def _run_dir(cfg: DictConfig, command: str) -> str:
@@ -136,31 +137,31 @@ def _run_dir(cfg: DictConfig, command: str) -> str:
     return str(path)
 
 
-def _plan_setup(plan: dict) -> Setup:
-    """The planned run's setup: the plan's recorded inputs, searched dimensions filled with its best plan's."""
+def _plan_scenario(plan: dict) -> Scenario:
+    """The planned run's scenario: the plan's recorded inputs, searched dimensions filled with its best plan's."""
     best = plan["best"]
     fill = {key: value for key, value in best["parallel"].items() if key != "data_parallel_size"}
     fill.update({key: best["train"][key] for key in ("micro_batch_size", "recompute_granularity", "num_microbatches")})
     fill["schedule"] = best["schedule"]
-    return to_setup(OmegaConf.create(plan.get("inputs") or {}), fill=fill)
+    return to_scenario(OmegaConf.create(plan.get("inputs") or {}), fill=fill)
 
 
-def _config_setup(cfg: DictConfig, measured: MeasuredRun) -> Setup:
+def _config_scenario(cfg: DictConfig, measured: MeasuredRun) -> Scenario:
     """No plan.yaml: the config, with pipeline sizes and micro-batches the user left null taken from the log."""
     pp = measured.pipeline_model_parallel_size
     chunks = len(measured.stage_forward_ms) // pp
     fill = {"pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": chunks,
             "schedule": megatron_schedule(chunks), "num_microbatches": measured.num_microbatches}
-    setup = to_setup(cfg, fill=fill)
+    scenario = to_scenario(cfg, fill=fill)
     if cfg.train.num_microbatches is None and measured.num_microbatches:
         # the emitted global batch must agree with the run's micro-batches
-        batch = setup.num_microbatches * setup.train.micro_batch_size * setup.parallel.data_parallel_size
-        setup = dataclasses.replace(setup, train=dataclasses.replace(setup.train, global_batch_size=batch))
-    return setup
+        batch = scenario.num_microbatches * scenario.train.micro_batch_size * scenario.parallel.data_parallel_size
+        scenario = dataclasses.replace(scenario, train=dataclasses.replace(scenario.train, global_batch_size=batch))
+    return scenario
 
 
-def _check_sizes(setup: Setup, measured: MeasuredRun, plan: dict | None) -> None:
-    par = setup.parallel
+def _check_sizes(scenario: Scenario, measured: MeasuredRun, plan: dict | None) -> None:
+    par = scenario.parallel
     if plan is not None and plan["best"].get("layout") and plan["best"]["layout"] != measured.layout:
         raise ConfigError(f"the monitor log is from layout {measured.layout!r} but plan.yaml planned "
                           f"{plan['best']['layout']!r}; use the run that used the planned layout")

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from megapipe.commands.common import console, print_json
-from megapipe.config import Setup, recorded_inputs, to_setup
+from megapipe.config import Scenario, recorded_inputs, to_scenario
 from megapipe.config.jobs import jobs_of, pack_options
+from megapipe.config.options import output_options, search_options
 from megapipe.errors import ConfigError
 from megapipe.files import atomic_write_text, dump_yaml
 from megapipe.plandir import write_plan
@@ -28,61 +29,67 @@ from megapipe.pack.document import pack_document, utilisation_gain
 from megapipe.plan.interval import format_share, throughput_interval
 from megapipe.plan.space import pinned_problem
 from megapipe.records import JobSpec
-from megapipe.options import PackOptions
+from megapipe.options import OutputOptions, PackOptions, SearchOptions
 
-__all__ = ["PackJob", "prepare", "run"]
+__all__ = ["PackInputs", "prepare", "run"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PackJob:
-    setup: Setup
+class PackInputs:
+    scenario: Scenario
+    """The command line's scenario: the jobs share its cluster (each job holds its own model and settings)."""
     jobs: tuple[JobSpec, ...]
     options: PackOptions
+    search: SearchOptions
+    output: OutputOptions
     inputs: dict
 
 
-def prepare(cfg: DictConfig) -> PackJob:
-    setup = to_setup(cfg, search=True)
-    if setup.profile_path:
-        raise ConfigError(f"profile={setup.profile_path} holds one model's layer costs; pack costs each job with the "
+def prepare(cfg: DictConfig) -> PackInputs:
+    scenario = to_scenario(cfg, search=True)
+    search = search_options(cfg)
+    profile = cfg.get("profile")
+    if profile:
+        raise ConfigError(f"profile={profile} holds one model's layer costs; pack costs each job with the "
                           "cost model (plan one model with a profile in `megapipe plan profile=...`)")
-    jobs = jobs_of(cfg, setup.cluster)
+    jobs = jobs_of(cfg, scenario.cluster)
     for index, spec in enumerate(jobs):
-        problem = pinned_problem(model=spec.model, cluster=setup.cluster, fixed=dict(spec.fixed),
-                                 options=setup.search)
+        problem = pinned_problem(model=spec.model, cluster=scenario.cluster, fixed=dict(spec.fixed),
+                                 options=search)
         if problem:
             raise ConfigError(f"jobs.jobs[{index}] ({spec.name}): {problem}, or drop the job")
     inputs = recorded_inputs(cfg)
     inputs["jobs"] = OmegaConf.to_container(cfg.jobs, resolve=True)
     inputs["pack"] = OmegaConf.to_container(cfg.pack, resolve=True)
     options = pack_options(cfg, jobs)
-    pinned = setup.fixed.get("pipeline_model_parallel_size")
+    pinned = scenario.fixed.get("pipeline_model_parallel_size")
     if pinned is not None:  # the fixed-depth baseline keeps the depth every job is pinned to
         options = dataclasses.replace(options, baseline_pipeline_sizes=(int(pinned),))
-    return PackJob(setup=setup, jobs=jobs, options=options, inputs=inputs)
+    return PackInputs(scenario=scenario, jobs=jobs, options=options, search=search, output=output_options(cfg),
+                      inputs=inputs)
 
 
-def _write_job_dirs(directory: str, job: PackJob, jobs, options, cluster) -> list[str]:
+def _write_job_dirs(directory: str, job: PackInputs, jobs, options, cluster) -> list[str]:
     written = []
     for spec, option in zip(jobs, options):
         sub = sub_cluster(cluster, option.group, option.nodes)
         path = os.path.join(directory, "jobs", spec.name)
         write_plan(path, result=option.result, model=spec.model, cluster=sub,
                    inputs={"job": spec.name, "pack": job.inputs.get("pack"), "cluster_nodes": option.nodes},
-                   bridge_keys=job.setup.output.bridge_keys, extra={"seq_length_source": "the job list"},
+                   bridge_keys=job.output.bridge_keys, extra={"seq_length_source": "the job list"},
                    title=f"megapipe pack: {spec.name} ({spec.model.name}) on {option.nodes} x {sub.gpu.name} nodes")
         written.append(path)
     return written
 
 
-def run(job: PackJob, *, directory: str) -> None:
-    cluster = job.setup.cluster
-    result = pack_jobs(job.jobs, cluster, job.options, search=job.setup.search)
+def run(job: PackInputs, *, directory: str) -> None:
+    cluster = job.scenario.cluster
+    result = pack_jobs(job.jobs, cluster, job.options, search=job.search)
     packed = result.packed
     document = pack_document(result, cluster, inputs=job.inputs)
     atomic_write_text(os.path.join(directory, "pack.yaml"), dump_yaml(document))
     written = [os.path.join(directory, "pack.yaml")]
     written += _write_job_dirs(directory, job, result.jobs, packed.options, cluster)
-    if job.setup.output.pictures:
+    if job.output.pictures:
         from megapipe.report.cluster_map import cluster_map, node_owners
 
         place = lambda jobs, options: [(s.name, o.group, o.nodes) for s, o in zip(jobs, options)]  # noqa: E731
@@ -93,7 +100,7 @@ def run(job: PackJob, *, directory: str) -> None:
                                        failed=[a - b for a, b in zip(result.capacities, result.what_if_capacities)])))
         written.append(cluster_map(panels, [f"{g.gpu.name}" for g in cluster.node_groups],
                                    os.path.join(directory, "cluster.png")))
-    if job.setup.output.json:
+    if job.output.json:
         print_json({**document, "files": written})
         return
     _print(result, cluster, directory)

@@ -9,11 +9,15 @@ the configured schedule). ``output.format=json`` prints one JSON object instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from omegaconf import DictConfig
 
-from megapipe.commands.common import console, pipeline_p2p, print_json, setup_profile, setup_stage_specs, stage_times
-from megapipe.config import Setup, to_setup
+from megapipe.commands.common import console, pipeline_p2p, print_json, scenario_profile, stage_specs_of, stage_times
+from megapipe.config import Scenario, to_scenario
+from megapipe.config.options import output_options
 from megapipe.emit import decoder_counts
+from megapipe.options import OutputOptions
 from megapipe.plandir import plan_emission
 from megapipe.partition import solve
 from megapipe.records import LayerKind, Partition, Profile
@@ -21,20 +25,28 @@ from megapipe.schedules import build
 from megapipe.simulate import SimResult, simulate
 from megapipe.units import GIB
 
-__all__ = ["prepare", "run", "result_dict"]
+__all__ = ["PartitionInputs", "prepare", "run", "result_dict"]
 
 
-def _solve_and_simulate(setup: Setup, profile: Profile, specs, *, method: str) -> tuple[Partition, SimResult]:
-    par = setup.parallel
-    schedule = build(setup.schedule, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-                     num_microbatches=setup.num_microbatches,
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionInputs:
+    scenario: Scenario
+    profile_path: str | None
+    """``profile=FILE``: measured layer costs instead of the cost model's."""
+    output: OutputOptions
+
+
+def _solve_and_simulate(scenario: Scenario, profile: Profile, specs, *, method: str) -> tuple[Partition, SimResult]:
+    par = scenario.parallel
+    schedule = build(scenario.schedule, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+                     num_microbatches=scenario.num_microbatches,
                      virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
                      microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
-    part = solve(profile, list(specs), num_microbatches=setup.num_microbatches, schedule=setup.schedule,
+    part = solve(profile, list(specs), num_microbatches=scenario.num_microbatches, schedule=scenario.schedule,
                  virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size, method=method,
                  check_memory=method == "optimal",
                  microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
-    sim = simulate(schedule, stage_times(profile, part, specs, schedule.stage_to_rank), p2p=pipeline_p2p(setup))
+    sim = simulate(schedule, stage_times(profile, part, specs, schedule.stage_to_rank), p2p=pipeline_p2p(scenario))
     return part, sim
 
 
@@ -42,18 +54,18 @@ def _decoders(part: Partition) -> list[int]:
     return list(decoder_counts(part.stage_kinds))
 
 
-def result_dict(setup: Setup, optimal: Partition, optimal_sim: SimResult, equal: Partition,
-                equal_sim: SimResult, specs) -> dict:
+def result_dict(scenario: Scenario, optimal: Partition, optimal_sim: SimResult, equal: Partition,
+                equal_sim: SimResult, specs, *, bridge_keys: str = "flat") -> dict:
     """The JSON form; a what-if schedule (one megatron-core does not run) gets no Megatron arguments."""
-    emission = plan_emission(partition=optimal, parallel=setup.parallel, train=setup.train, model=setup.model,
-                             cluster=setup.cluster, stage_gpus=[spec.gpu_name for spec in specs],
-                             bridge_keys=setup.output.bridge_keys)
+    emission = plan_emission(partition=optimal, parallel=scenario.parallel, train=scenario.train, model=scenario.model,
+                             cluster=scenario.cluster, stage_gpus=[spec.gpu_name for spec in specs],
+                             bridge_keys=bridge_keys)
     what_if, emitted = emission.what_if, emission.emitted
     return {
-        "model": setup.model.name,
-        "cluster": setup.cluster.name,
-        "schedule": setup.schedule,
-        "num_microbatches": setup.num_microbatches,
+        "model": scenario.model.name,
+        "cluster": scenario.cluster.name,
+        "schedule": scenario.schedule,
+        "num_microbatches": scenario.num_microbatches,
         "entries_per_stage": list(optimal.entries_per_stage),
         "decoder_layers_per_stage": _decoders(optimal),
         "stage_time_ms": [round(t, 6) for t in optimal.stage_time_ms],
@@ -63,8 +75,8 @@ def result_dict(setup: Setup, optimal: Partition, optimal_sim: SimResult, equal:
         "step_time_ms": round(optimal_sim.step_time_ms, 6),
         "bubble_fraction": round(optimal_sim.bubble_fraction, 6),
         "layout": optimal.layout,
-        "seq_length": setup.train.seq_length,
-        "seq_length_source": setup.seq_length_source,
+        "seq_length": scenario.train.seq_length,
+        "seq_length_source": scenario.seq_length_source,
         "stage_gpus": [spec.gpu_name for spec in specs],
         "what_if": bool(what_if),
         "megatron_args": emitted.megatron_command if emitted else None,
@@ -87,14 +99,14 @@ def result_dict(setup: Setup, optimal: Partition, optimal_sim: SimResult, equal:
     }
 
 
-def _print_table(setup: Setup, specs, optimal: Partition, result: dict) -> None:
+def _print_table(scenario: Scenario, specs, optimal: Partition, result: dict) -> None:
     from rich.table import Table
 
     out = console(soft_wrap=True)
-    par = setup.parallel
-    table = Table(title=f"{setup.model.name} on {setup.cluster.name}: TP={par.tensor_model_parallel_size} "
+    par = scenario.parallel
+    table = Table(title=f"{scenario.model.name} on {scenario.cluster.name}: TP={par.tensor_model_parallel_size} "
                         f"PP={par.pipeline_model_parallel_size} VP={par.virtual_pipeline_model_parallel_size} "
-                        f"DP={par.data_parallel_size}, {setup.schedule}, {setup.num_microbatches} microbatches")
+                        f"DP={par.data_parallel_size}, {scenario.schedule}, {scenario.num_microbatches} microbatches")
     for column in ("stage", "rank", "layers", "time ms", "static GiB", "act GiB", "total GiB", "headroom GiB"):
         table.add_column(column, justify="right")
     pp = par.pipeline_model_parallel_size
@@ -123,7 +135,7 @@ def _print_table(setup: Setup, specs, optimal: Partition, result: dict) -> None:
     equal = result["equal"]
     out.print(f"layout:        {result['layout']}  (seq_length {result['seq_length']:,} from "
               f"{result['seq_length_source']})", markup=False)
-    if setup.cluster.is_heterogeneous:
+    if scenario.cluster.is_heterogeneous:
         out.print(f"stage GPUs:    {', '.join(result['stage_gpus'])} (node groups in the cluster file's order)",
                   markup=False)
     if result["megatron_args"] is not None:
@@ -146,17 +158,19 @@ def _describe_stage(kinds) -> str:
     return f"{extra}{decoders}{tail}"
 
 
-def prepare(cfg: DictConfig) -> Setup:
-    return to_setup(cfg)
+def prepare(cfg: DictConfig) -> PartitionInputs:
+    scenario = to_scenario(cfg)
+    return PartitionInputs(scenario=scenario, profile_path=cfg.get("profile"), output=output_options(cfg))
 
 
-def run(setup: Setup, *, directory: str) -> None:
-    profile = setup_profile(setup)
-    specs = setup_stage_specs(setup)
-    optimal, optimal_sim = _solve_and_simulate(setup, profile, specs, method="optimal")
-    equal, equal_sim = _solve_and_simulate(setup, profile, specs, method="equal")
-    result = result_dict(setup, optimal, optimal_sim, equal, equal_sim, specs)
-    if setup.output.json:
+def run(job: PartitionInputs, *, directory: str) -> None:
+    scenario = job.scenario
+    profile = scenario_profile(scenario, job.profile_path)
+    specs = stage_specs_of(scenario)
+    optimal, optimal_sim = _solve_and_simulate(scenario, profile, specs, method="optimal")
+    equal, equal_sim = _solve_and_simulate(scenario, profile, specs, method="equal")
+    result = result_dict(scenario, optimal, optimal_sim, equal, equal_sim, specs, bridge_keys=job.output.bridge_keys)
+    if job.output.json:
         print_json(result)
     else:
-        _print_table(setup, specs, optimal, result)
+        _print_table(scenario, specs, optimal, result)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megapipe.commands.common import console, matched_profile, print_json
-from megapipe.config import Setup, recorded_inputs, to_setup
+from megapipe.config import Scenario, recorded_inputs, to_scenario
+from megapipe.config.options import output_options, search_options
 from megapipe.emit import BridgeKeys, launch_line
 from megapipe.placement import node_ranges
 from megapipe.plan.document import json_summary
@@ -23,16 +24,19 @@ from megapipe.plandir import write_plan
 from megapipe.plan.interval import format_interval
 from megapipe.plan.plans import SearchResult
 from megapipe.plan.search import search
-from megapipe.records import Profile
+from megapipe.options import OutputOptions, Reference, SearchOptions
+from megapipe.records import ClusterSpec, Profile, RuntimeSpec
 from megapipe.units import GIB
 
-__all__ = ["PlanJob", "prepare", "run", "print_plans", "compare_line"]
+__all__ = ["PlanInputs", "prepare", "run", "print_plans", "compare_line"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PlanJob:
-    setup: Setup
-    """Searched dimensions free; ``setup.fixed`` holds what the search keeps."""
+class PlanInputs:
+    scenario: Scenario
+    """Searched dimensions free; ``scenario.fixed`` holds what the search keeps."""
+    search: SearchOptions
+    output: OutputOptions
     inputs: dict
     """The resolved config, recorded in plan.yaml."""
     profile: Profile | None = None
@@ -43,18 +47,20 @@ _LAYER_COST_DIMS = ("tensor_model_parallel_size", "context_parallel_size", "sequ
                     "recompute_granularity")
 
 
-def prepare(cfg: DictConfig) -> PlanJob:
-    setup = to_setup(cfg, search=True)
-    return PlanJob(setup=setup, inputs=recorded_inputs(cfg),
-                   profile=matched_profile(setup) if setup.profile_path else None)
+def prepare(cfg: DictConfig) -> PlanInputs:
+    scenario = to_scenario(cfg, search=True)
+    path = cfg.get("profile")
+    return PlanInputs(scenario=scenario, search=search_options(cfg), output=output_options(cfg),
+                      inputs=recorded_inputs(cfg), profile=matched_profile(scenario, path) if path else None)
 
 
-def _fixed(job: PlanJob) -> dict:
+def _fixed(job: PlanInputs) -> dict:
     """What the search keeps: the user's dimensions, and with a measured profile the ones its costs depend on."""
-    fixed = dict(job.setup.fixed)
+    scenario = job.scenario
+    fixed = dict(scenario.fixed)
     if job.profile is not None:  # a profile holds costs for one TP/CP/SP/micro-batch/recompute
         for key in _LAYER_COST_DIMS:
-            source = job.setup.train if key in ("micro_batch_size", "recompute_granularity") else job.setup.parallel
+            source = scenario.train if key in ("micro_batch_size", "recompute_granularity") else scenario.parallel
             fixed.setdefault(key, getattr(source, key))
     return fixed
 
@@ -85,30 +91,31 @@ def _pictures(directory: str, result: SearchResult, *, usable_gib: float) -> Non
                   title=f"{result.best.schedule}: {result.best.layout}")
 
 
-def run(job: PlanJob, *, directory: str) -> None:
-    setup = job.setup
-    result = _progress_search(model=setup.model, cluster=setup.cluster, train=setup.train, fixed=_fixed(job),
-                              options=setup.search, profile=job.profile,
-                              use_distributed_optimizer=setup.parallel.use_distributed_optimizer,
-                              microbatch_group_size_per_vp_stage=setup.parallel.microbatch_group_size_per_vp_stage,
-                              template=setup.parallel)
-    extra = {"seq_length_source": setup.seq_length_source}
-    written = write_plan(directory, result=result, model=setup.model, cluster=setup.cluster, inputs=job.inputs,
-                         bridge_keys=setup.output.bridge_keys, extra=extra)
+def run(job: PlanInputs, *, directory: str) -> None:
+    scenario = job.scenario
+    result = _progress_search(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=_fixed(job),
+                              options=job.search, profile=job.profile,
+                              use_distributed_optimizer=scenario.parallel.use_distributed_optimizer,
+                              microbatch_group_size_per_vp_stage=scenario.parallel.microbatch_group_size_per_vp_stage,
+                              template=scenario.parallel)
+    extra = {"seq_length_source": scenario.seq_length_source}
+    written = write_plan(directory, result=result, model=scenario.model, cluster=scenario.cluster, inputs=job.inputs,
+                         bridge_keys=job.output.bridge_keys, extra=extra)
     emitted, nodes = written.emission.emitted, written.emission.nodes
-    if setup.output.json:
-        print_json({**json_summary(result, moe=setup.model.is_moe), "plan_dir": directory, "files": list(written.files),
-                    **extra, **({"node_gpus": list(nodes)} if nodes else {}),
+    if job.output.json:
+        print_json({**json_summary(result, moe=scenario.model.is_moe), "plan_dir": directory,
+                    "files": list(written.files), **extra, **({"node_gpus": list(nodes)} if nodes else {}),
                     "emitted": emitted.as_dict() if emitted else None,
-                    "launch": _launch_line(setup, emitted) if emitted else None})
+                    "launch": _launch_line(scenario.cluster, emitted) if emitted else None})
     else:
-        print_plans(result, setup=setup, emitted=emitted, directory=directory, files=written.files, nodes=nodes)
-    if setup.output.pictures:  # after the answer: matplotlib takes longer than the search
-        _pictures(directory, result, usable_gib=setup.cluster.gpu.usable_memory_bytes / GIB)
+        print_plans(result, scenario=scenario, reference=job.search.reference, emitted=emitted, directory=directory,
+                    files=written.files, nodes=nodes)
+    if job.output.pictures:  # after the answer: matplotlib takes longer than the search
+        _pictures(directory, result, usable_gib=scenario.cluster.gpu.usable_memory_bytes / GIB)
 
 
-def _launch_line(setup: Setup, emitted) -> str:
-    return launch_line(emitted, gpus_per_node=setup.cluster.gpus_per_node, num_nodes=setup.cluster.num_nodes)
+def _launch_line(cluster: ClusterSpec, emitted) -> str:
+    return launch_line(emitted, gpus_per_node=cluster.gpus_per_node, num_nodes=cluster.num_nodes)
 
 
 def _row(label: str, plan, *, moe: bool = False) -> list[str]:
@@ -136,9 +143,10 @@ def runtime_label(features) -> str:
             + ("+cg" if features.cuda_graphs else ""))
 
 
-def moe_assumptions(plan, setup: Setup) -> str:
-    """What a MoE plan assumes about routing and its runtime, and what megapipe does not model, in two lines."""
-    features, train, runtime = plan.parallel.features, plan.train, setup.cluster.runtime
+def moe_assumptions(plan, runtime: RuntimeSpec) -> str:
+    """What a MoE plan assumes about routing and its runtime (the cluster's), and what megapipe does not model, in
+    two lines."""
+    features, train = plan.parallel.features, plan.train
     dispatcher = {"alltoall": "alltoall (NCCL all-to-all)", "allgather": "allgather",
                   "deepep": "flex/DeepEP (one copy per node)", "hybridep": "flex/HybridEP (one copy per node)"}
     graphs = (f"{features.cuda_graph_impl} graphs of {' '.join(features.cuda_graph_scope) or 'whole layers'}"
@@ -191,15 +199,16 @@ def _pruned(stats) -> str:
     return ", ".join(f"{reason} {count:,}" for reason, count in stats.pruned) or "none"
 
 
-def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: str, files: tuple[str, ...] = (),
-                nodes: tuple[str, ...] = ()) -> None:
-    """The ranked plans, the equal split and the reference in one table; then what to run and where the files are."""
+def print_plans(result: SearchResult, *, scenario: Scenario, reference: Reference | None = None, emitted=None,
+                directory: str, files: tuple[str, ...] = (), nodes: tuple[str, ...] = ()) -> None:
+    """The ranked plans, the equal split and the reference (``search.reference``) in one table; then what to run
+    and where the files are."""
     from rich.table import Table
 
-    train, model, cluster = setup.train, setup.model, setup.cluster
+    train, model, cluster = scenario.train, scenario.model, scenario.cluster
     title = (f"megapipe plan: {model.name} on {cluster.num_gpus} x {cluster.gpu.name}"
              + (" (mixed)" if cluster.is_heterogeneous else "")
-             + f", seq_length {train.seq_length:,} ({setup.seq_length_source}), global batch "
+             + f", seq_length {train.seq_length:,} ({scenario.seq_length_source}), global batch "
              f"{train.global_batch_size:,} ({train.global_batch_size * train.seq_length / 1e6:,.1f}M tokens), "
              f"{train.precision}")
     table = Table(title=title, title_justify="left")
@@ -219,8 +228,8 @@ def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: 
         table.add_row(*row("run*", best))
     if result.baseline is not None:
         table.add_row(*row("equal split", result.baseline))
-    if result.reference is not None and setup.search.reference is not None:
-        table.add_row(*row(setup.search.reference.label, result.reference))
+    if result.reference is not None and reference is not None:
+        table.add_row(*row(reference.label, result.reference))
     out = console()
     out.print(table)
     shown = [*result.plans, result.baseline, result.reference]
@@ -237,7 +246,7 @@ def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: 
         out.print("(the step's range: where 80% of published runs of its kind fell, held out by source, against "
                   "their prediction; docs/validation.md)", markup=False)
     if moe:
-        out.print(moe_assumptions(best, setup), markup=False, soft_wrap=True)
+        out.print(moe_assumptions(best, cluster.runtime), markup=False, soft_wrap=True)
     for warning in best.warnings:
         out.print(f"warning: {warning}", markup=False)
     if nodes:
@@ -249,13 +258,13 @@ def print_plans(result: SearchResult, *, setup: Setup, emitted=None, directory: 
             f" (the equal split does not fit memory: {result.baseline.memory_over_gib:.1f} GiB over on its fullest "
             "stage, so it could not run as shown)")
         out.print(f"gain over equal split: {gain:+.1%}{fits}")
-    if result.reference is not None and setup.search.reference is not None:
-        out.print(compare_line(best, result.reference, setup.search.reference), markup=False)
+    if result.reference is not None and reference is not None:
+        out.print(compare_line(best, result.reference, reference), markup=False)
     if emitted is None:
         out.print(f"what-if: megatron-core cannot run {best.schedule}, so no Megatron arguments were written; plan "
                   "with schedule=1f1b or interleaved_1f1b for a plan to run", markup=False)
     else:
-        out.print(f"Megatron-LM: {_launch_line(setup, emitted)}", markup=False, soft_wrap=True)
+        out.print(f"Megatron-LM: {_launch_line(cluster, emitted)}", markup=False, soft_wrap=True)
         names = ", ".join(os.path.basename(path) for path in files)
         out.print(f"files in {directory}: {names} (Megatron-Bridge overrides use "
                   f"{'flat model.* keys (0.6.x)' if emitted.bridge_keys == BridgeKeys.flat else 'model.transformer.* keys (Bridge main)'}"

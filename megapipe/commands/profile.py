@@ -16,32 +16,43 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 from megapipe.commands.common import console, print_json
-from megapipe.config import Setup, to_setup
+from megapipe.config import Scenario, extra_of, to_scenario
+from megapipe.config.options import output_options
 from megapipe.errors import ConfigError
+from megapipe.options import OutputOptions
 from megapipe.profile.format import save_profile
 from megapipe.records import Profile
 
-__all__ = ["prepare", "run", "profile_options"]
+__all__ = ["ProfileInputs", "prepare", "run", "profile_options"]
 
 _KEYS = ("device", "warmup", "iters", "num_threads", "dtype", "out", "device_name")
 
 
-def profile_options(setup: Setup) -> dict:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileInputs:
+    scenario: Scenario
+    options: Mapping[str, object]
+    """The ``extra`` settings (:data:`_KEYS`), checked."""
+    output: OutputOptions
+
+
+def profile_options(extra: Mapping[str, object]) -> dict:
     """The ``extra`` mapping, checked for unknown keys."""
-    unknown = sorted(set(setup.extra) - set(_KEYS))
+    unknown = sorted(set(extra) - set(_KEYS))
     if unknown:
         raise ConfigError(f"unknown profile setting(s) extra.{', extra.'.join(unknown)}; use {', '.join(_KEYS)}")
-    return dict(setup.extra)
+    return dict(extra)
 
 
-def prepare(cfg: DictConfig) -> Setup:
-    setup = to_setup(cfg)
-    profile_options(setup)
-    return setup
+def prepare(cfg: DictConfig) -> ProfileInputs:
+    scenario = to_scenario(cfg)
+    return ProfileInputs(scenario=scenario, options=profile_options(extra_of(cfg)), output=output_options(cfg))
 
 
 def _device_name(requested: str | None, *, torch_name: str, gpu_name: str) -> str:
@@ -52,20 +63,20 @@ def _device_name(requested: str | None, *, torch_name: str, gpu_name: str) -> st
     return gpu_name if family and family in torch_name.lower() else torch_name
 
 
-def run(setup: Setup, *, directory: str) -> None:
+def run(job: ProfileInputs, *, directory: str) -> None:
     from megapipe.profile.measure import measure_profile
     from megapipe.options import MeasureOptions
 
-    options = profile_options(setup)
-    parallel = setup.parallel
-    if "tensor_model_parallel_size" not in setup.fixed:
+    scenario, options = job.scenario, job.options
+    parallel = scenario.parallel
+    if "tensor_model_parallel_size" not in scenario.fixed:
         parallel = dataclasses.replace(parallel, tensor_model_parallel_size=1, sequence_parallel=False)
     measure = MeasureOptions(**{key: options[key] for key in ("device", "warmup", "iters", "num_threads", "dtype")
                                 if options.get(key) is not None})
     with _progress() as on_unit:
-        profile = measure_profile(model=setup.model, train=setup.train, parallel=parallel, options=measure,
+        profile = measure_profile(model=scenario.model, train=scenario.train, parallel=parallel, options=measure,
                                   on_unit=on_unit)
-    gpu = setup.cluster.gpu
+    gpu = scenario.cluster.gpu
     device = _device_name(options.get("device_name"), torch_name=profile.device, gpu_name=gpu.name)
     meta = dict(profile.meta)
     if device == gpu.name:
@@ -76,7 +87,7 @@ def run(setup: Setup, *, directory: str) -> None:
         return
     path = options.get("out") or os.path.join(directory, "profile.yaml")
     save_profile(profile, path)
-    _report(profile, path=path, as_json=setup.output.json)
+    _report(profile, path=path, as_json=job.output.json)
 
 
 class _progress:

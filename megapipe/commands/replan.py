@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megapipe.commands.common import console, pipeline_p2p, print_json, read_monitored_run, setup_stage_specs
-from megapipe.config import Setup
+from megapipe.commands.common import console, pipeline_p2p, print_json, read_monitored_run, stage_specs_of
+from megapipe.config import Scenario
 from megapipe.options import OutputOptions, ReplanOptions
 from megapipe.config.options import output_options, replan_options
 from megapipe.errors import ConfigError
@@ -36,15 +36,15 @@ from megapipe.plan.replan import MeasuredRun, Replan, replan
 from megapipe.profile.match import match_profile
 from megapipe.records import Profile
 
-__all__ = ["ReplanJob", "prepare", "run", "result_dict"]
+__all__ = ["ReplanInputs", "prepare", "run", "result_dict"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReplanJob:
-    """A monitored run, read once: its setup, measurements, recorded plan and the profile it was planned with."""
+class ReplanInputs:
+    """A monitored run, read once: its scenario, measurements, recorded plan and the profile it was planned with."""
 
     run_dir: str
-    setup: Setup
+    scenario: Scenario
     measured: MeasuredRun
     plan: dict | None
     """The run's plan.yaml (megapipe-plan/1), when it has one."""
@@ -53,30 +53,30 @@ class ReplanJob:
     output: OutputOptions
 
 
-def _profile(cfg: DictConfig, run_dir: str, setup: Setup) -> Profile:
+def _profile(cfg: DictConfig, run_dir: str, scenario: Scenario) -> Profile:
     path = cfg.get("profile") or os.path.join(run_dir, "profile.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"no profile at {path!r}: pass the profile the run was planned with (profile=FILE)")
-    return match_profile(load_profile(path), model=setup.model)
+    return match_profile(load_profile(path), model=scenario.model)
 
 
-def prepare(cfg: DictConfig) -> ReplanJob:
+def prepare(cfg: DictConfig) -> ReplanInputs:
     """Read the run directory: monitor logs, plan.yaml when present, and the profile."""
     options = replan_options(cfg)
     run = read_monitored_run(cfg, command="replan")
-    return ReplanJob(run_dir=run.run_dir, setup=run.setup, measured=run.measured, plan=run.plan,
-                     profile=_profile(cfg, run.run_dir, run.setup), options=options, output=output_options(cfg))
+    return ReplanInputs(run_dir=run.run_dir, scenario=run.scenario, measured=run.measured, plan=run.plan,
+                        profile=_profile(cfg, run.run_dir, run.scenario), options=options, output=output_options(cfg))
 
 
-def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, directory: str,
-                stage_gpus: tuple[str, ...] = ()) -> dict:
+def result_dict(scenario: Scenario, measured: MeasuredRun, result: Replan, *, directory: str,
+                stage_gpus: tuple[str, ...] = (), bridge_keys: str = "flat") -> dict:
     out = {
         "run_layout": measured.layout,
         "measured_step_time_ms": round(measured.step_time_ms, 6) if math.isfinite(measured.step_time_ms) else None,
         "measured_stage_compute_ms": [round(t, 6) for t in measured.stage_compute_ms],
         "measured_compute_spread_ms": round(measured.compute_spread_ms, 6),
-        "schedule": str(setup.schedule),
-        "num_microbatches": setup.num_microbatches,
+        "schedule": str(scenario.schedule),
+        "num_microbatches": scenario.num_microbatches,
         "old_layout": result.old.layout,
         "old_stage_time_ms": [round(t, 6) for t in result.old.stage_time_ms],
         "old_step_time_ms": round(result.old_step_ms, 6),
@@ -91,8 +91,9 @@ def result_dict(setup: Setup, measured: MeasuredRun, result: Replan, *, director
         "corrected_profile": os.path.join(directory, "profile.yaml"),
     }
     if result.suggest:
-        emission = plan_emission(partition=result.new, parallel=setup.parallel, train=setup.train, model=setup.model,
-                                 cluster=setup.cluster, stage_gpus=stage_gpus, bridge_keys=setup.output.bridge_keys)
+        emission = plan_emission(partition=result.new, parallel=scenario.parallel, train=scenario.train,
+                                 model=scenario.model, cluster=scenario.cluster, stage_gpus=stage_gpus,
+                                 bridge_keys=bridge_keys)
         emitted = emission.emitted
         if emitted is None:
             out.update(warnings=list(emission.what_if))
@@ -123,25 +124,26 @@ def _print(result: dict) -> None:
         out.print(f"warning: {warning}")
 
 
-def _placement(job: ReplanJob):
+def _placement(job: ReplanInputs):
     """The run's GPU per pipeline rank: the plan's stage GPUs when it recorded them, else the default placement."""
     stage_gpus = (job.plan or {}).get("best", {}).get("stage_gpus")
     if stage_gpus:
-        return gpus_by_name(job.setup.cluster, stage_gpus)
-    return default_gpus(job.setup.cluster, job.setup.parallel.pipeline_model_parallel_size)
+        return gpus_by_name(job.scenario.cluster, stage_gpus)
+    return default_gpus(job.scenario.cluster, job.scenario.parallel.pipeline_model_parallel_size)
 
 
-def run(job: ReplanJob, *, directory: str) -> None:
-    setup, par = job.setup, job.setup.parallel
+def run(job: ReplanInputs, *, directory: str) -> None:
+    scenario, par = job.scenario, job.scenario.parallel
     gpus = _placement(job)
-    result = replan(job.profile, job.measured, stages=setup_stage_specs(setup, gpus=gpus), schedule=setup.schedule,
-                    num_microbatches=setup.num_microbatches, p2p=pipeline_p2p(setup),
+    result = replan(job.profile, job.measured, stages=stage_specs_of(scenario, gpus=gpus), schedule=scenario.schedule,
+                    num_microbatches=scenario.num_microbatches, p2p=pipeline_p2p(scenario),
                     min_gain=job.options.min_gain,
                     microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage,
                     attribution=job.options.attribution, corrected_from=MONITOR_FORMAT)
     save_profile(result.corrected, os.path.join(directory, "profile.yaml"))
-    summary = result_dict(setup, job.measured, result, directory=directory,
-                          stage_gpus=tuple(gpu.name for gpu in gpus) if setup.cluster.is_heterogeneous else ())
+    summary = result_dict(scenario, job.measured, result, directory=directory,
+                          stage_gpus=tuple(gpu.name for gpu in gpus) if scenario.cluster.is_heterogeneous else (),
+                          bridge_keys=job.output.bridge_keys)
     atomic_write_text(os.path.join(directory, "replan.yaml"), dump_yaml(summary))
     if job.output.json:
         print_json(summary)

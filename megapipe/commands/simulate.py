@@ -18,19 +18,32 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megapipe.commands.common import console, pipeline_p2p, print_json, setup_profile, setup_stage_specs, stage_times
-from megapipe.config import Setup, to_setup
+from megapipe.commands.common import console, pipeline_p2p, print_json, scenario_profile, stage_specs_of, stage_times
+from megapipe.config import Scenario, stage_times_of, to_scenario
+from megapipe.config.options import output_options
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError
 from megapipe.partition import solve
 from megapipe.schedules import SCHEDULE_NAMES, Schedule, build, chunks_per_rank, spec
 from megapipe.simulate import P2PCost, SimResult, StageTimes, simulate
+from megapipe.options import OutputOptions
 from megapipe.simulate.bubble import WRITEUP_PERCENT, closed_form_bubble
 from megapipe.units import GIB
 
-__all__ = ["prepare", "run", "result_dict", "times_from_triples"]
+__all__ = ["SimulateInputs", "prepare", "run", "result_dict", "times_from_triples"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulateInputs:
+    scenario: Scenario
+    stage_times: tuple | None
+    """The per-stage [F, B, W] triples as given (``stage_times=``), checked per schedule."""
+    profile_path: str | None
+    """``profile=FILE``: the measured layer costs used when no stage times are given."""
+    output: OutputOptions
 
 
 def times_from_triples(triples, *, schedule: Schedule) -> StageTimes:
@@ -58,10 +71,11 @@ def times_from_triples(triples, *, schedule: Schedule) -> StageTimes:
                             wgrad_ms=[r[2] for r in rows])
 
 
-def _model_times(setup: Setup, schedule: Schedule, chunks: int, notes: list[str]) -> tuple[StageTimes, P2PCost]:
+def _model_times(job: SimulateInputs, schedule: Schedule, chunks: int,
+                 notes: list[str]) -> tuple[StageTimes, P2PCost]:
     """Stage times of the optimal partition (memory-checked when it fits) and the cluster's p2p cost."""
-    profile = setup_profile(setup)
-    specs = setup_stage_specs(setup, pipeline_model_parallel_size=schedule.pipeline_model_parallel_size)
+    profile = scenario_profile(job.scenario, job.profile_path)
+    specs = stage_specs_of(job.scenario, pipeline_model_parallel_size=schedule.pipeline_model_parallel_size)
     kwargs = dict(num_microbatches=schedule.num_microbatches, schedule=schedule.name,
                   virtual_pipeline_model_parallel_size=chunks,
                   microbatch_group_size_per_vp_stage=schedule.microbatch_group_size_per_vp_stage)
@@ -70,33 +84,34 @@ def _model_times(setup: Setup, schedule: Schedule, chunks: int, notes: list[str]
     except InfeasibleError as exc:
         notes.append(f"{schedule.name}: does not fit memory ({exc}); timed the time-optimal split")
         part = solve(profile, list(specs), check_memory=False, **kwargs)
-    return stage_times(profile, part, specs, schedule.stage_to_rank), pipeline_p2p(setup)
+    return stage_times(profile, part, specs, schedule.stage_to_rank), pipeline_p2p(job.scenario)
 
 
-def _chunks(name: str, setup: Setup) -> int:
+def _chunks(name: str, scenario: Scenario) -> int:
     """A virtual size the user gave is used as given (the builder checks it); otherwise the schedule's own."""
-    if "virtual_pipeline_model_parallel_size" in setup.fixed and setup.schedule != "all":
-        return setup.parallel.virtual_pipeline_model_parallel_size
-    if spec(name).fixed_chunks is None and "virtual_pipeline_model_parallel_size" not in setup.fixed:
+    if "virtual_pipeline_model_parallel_size" in scenario.fixed and scenario.schedule != "all":
+        return scenario.parallel.virtual_pipeline_model_parallel_size
+    if spec(name).fixed_chunks is None and "virtual_pipeline_model_parallel_size" not in scenario.fixed:
         return 2
-    return chunks_per_rank(name, setup.parallel.virtual_pipeline_model_parallel_size)
+    return chunks_per_rank(name, scenario.parallel.virtual_pipeline_model_parallel_size)
 
 
-def _pipeline_size(setup: Setup) -> int:
+def _pipeline_size(job: SimulateInputs) -> int:
     """With ``stage_times`` and no pipeline size given, one triple per rank sets it."""
-    if setup.stage_times is not None and "pipeline_model_parallel_size" not in setup.fixed:
-        return max(1, len(setup.stage_times))
-    return setup.parallel.pipeline_model_parallel_size
+    if job.stage_times is not None and "pipeline_model_parallel_size" not in job.scenario.fixed:
+        return max(1, len(job.stage_times))
+    return job.scenario.parallel.pipeline_model_parallel_size
 
 
-def _simulate_one(name: str, setup: Setup, notes: list[str]) -> SimResult:
-    chunks = _chunks(name, setup)
-    schedule = build(name, pipeline_model_parallel_size=_pipeline_size(setup),
-                     num_microbatches=setup.num_microbatches, virtual_pipeline_model_parallel_size=chunks,
-                     microbatch_group_size_per_vp_stage=setup.parallel.microbatch_group_size_per_vp_stage)
-    if setup.stage_times is not None:
-        return simulate(schedule, times_from_triples(setup.stage_times, schedule=schedule))
-    times, p2p = _model_times(setup, schedule, chunks, notes)
+def _simulate_one(name: str, job: SimulateInputs, notes: list[str]) -> SimResult:
+    scenario = job.scenario
+    chunks = _chunks(name, scenario)
+    schedule = build(name, pipeline_model_parallel_size=_pipeline_size(job),
+                     num_microbatches=scenario.num_microbatches, virtual_pipeline_model_parallel_size=chunks,
+                     microbatch_group_size_per_vp_stage=scenario.parallel.microbatch_group_size_per_vp_stage)
+    if job.stage_times is not None:
+        return simulate(schedule, times_from_triples(job.stage_times, schedule=schedule))
+    times, p2p = _model_times(job, schedule, chunks, notes)
     return simulate(schedule, times, p2p=p2p)
 
 
@@ -137,12 +152,12 @@ def _write_pictures(result: SimResult, directory: str) -> list[str]:
             write_trace(result, os.path.join(directory, f"{name}_trace.json"))]
 
 
-def _print_table(setup: Setup, rows: dict, notes: list[str]) -> None:
+def _print_table(scenario: Scenario, rows: dict, notes: list[str]) -> None:
     from rich.table import Table
 
     out = console(soft_wrap=True, width=120)
-    par = setup.parallel
-    table = Table(title=f"P={par.pipeline_model_parallel_size}, {setup.num_microbatches} microbatches")
+    par = scenario.parallel
+    table = Table(title=f"P={par.pipeline_model_parallel_size}, {scenario.num_microbatches} microbatches")
     for column in ("schedule", "v", "step ms", "bubble", "steady", "closed form", "write-up", "peak in flight",
                    "peak act GiB"):
         table.add_column(column, justify="right")
@@ -164,28 +179,31 @@ def _print_table(setup: Setup, rows: dict, notes: list[str]) -> None:
         out.print(f"note: {note}")
 
 
-def prepare(cfg: DictConfig) -> Setup:
-    return to_setup(cfg)
+def prepare(cfg: DictConfig) -> SimulateInputs:
+    scenario = to_scenario(cfg)
+    return SimulateInputs(scenario=scenario, stage_times=stage_times_of(cfg), profile_path=cfg.get("profile"),
+                          output=output_options(cfg))
 
 
-def run(setup: Setup, *, directory: str) -> None:
-    names = SCHEDULE_NAMES if setup.schedule == "all" else (setup.schedule,)
+def run(job: SimulateInputs, *, directory: str) -> None:
+    scenario = job.scenario
+    names = SCHEDULE_NAMES if scenario.schedule == "all" else (scenario.schedule,)
     rows, notes = {}, []
     for name in names:
         try:
-            result = _simulate_one(name, setup, notes)
+            result = _simulate_one(name, job, notes)
         except (InfeasibleError, MegapipeError) as exc:
             if len(names) == 1 or isinstance(exc, ConfigError):
                 raise
             rows[name] = {"schedule": name, "error": str(exc)}
             continue
         rows[name] = result_dict(result)
-        if setup.output.pictures:
+        if job.output.pictures:
             rows[name]["files"] = _write_pictures(result, directory)
-    if setup.output.json:
+    if job.output.json:
         document = rows if len(names) > 1 else rows[names[0]]
         if notes:
             document = {**document, "notes": notes}
         print_json(document)
     else:
-        _print_table(setup, rows, notes)
+        _print_table(scenario, rows, notes)

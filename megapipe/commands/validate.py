@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megapipe.commands.common import console, print_json
-from megapipe.config import Setup, compose, to_setup
+from megapipe.config import compose, to_scenario
+from megapipe.config.options import output_options
 from megapipe.errors import ConfigError
 from megapipe.files import atomic_write_text, replace_marked_section
+from megapipe.options import OutputOptions
 from megapipe.validation.runs import PUBLIC_RUNS, read_runs
 from megapipe.records import ClusterSpec, RuntimeSpec
 from megapipe.validation.fit import (
@@ -54,15 +56,17 @@ from megapipe.validation.report import (
 )
 from megapipe.validation.runs import PublishedRun
 
-__all__ = ["prepare", "run", "DOCS_BEGIN", "DOCS_END"]
+__all__ = ["ValidateInputs", "prepare", "run", "DOCS_BEGIN", "DOCS_END"]
 
 DOCS_BEGIN = "<!-- megapipe validate: begin -->"
 DOCS_END = "<!-- megapipe validate: end -->"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ValidateJob:
-    setup: Setup
+class ValidateInputs:
+    runtime: RuntimeSpec
+    """The runtime in use (``runtime=``): the fits start from it and the predictions use it."""
+    output: OutputOptions
     runs: tuple[PublishedRun, ...]
     clusters: tuple[ClusterSpec, ...]
     """Each run's cluster option as composed (its size is set per run)."""
@@ -84,20 +88,20 @@ def _base_clusters(runs: tuple[PublishedRun, ...], cfg: DictConfig) -> tuple[Clu
         if run.cluster in found:
             continue
         try:
-            setup = to_setup(compose([f"cluster={run.cluster}", "parallel.tensor_model_parallel_size=1",
-                                      "parallel.pipeline_model_parallel_size=1", *extra]))
+            scenario = to_scenario(compose([f"cluster={run.cluster}", "parallel.tensor_model_parallel_size=1",
+                                            "parallel.pipeline_model_parallel_size=1", *extra]))
         except ConfigError:
             raise
         except Exception:
             raise ConfigError(f"run {run.id} names cluster={run.cluster!r}, which is not a cluster option; "
                               "add hydra_conf/cluster/<name>.yaml (or hydra.searchpath) or fix the run") from None
-        found[run.cluster] = setup.cluster
+        found[run.cluster] = scenario.cluster
     return tuple(found[run.cluster] for run in runs)
 
 
-def prepare(cfg: DictConfig) -> ValidateJob:
-    setup = to_setup(cfg)
-    source = str(setup.input or PUBLIC_RUNS)
+def prepare(cfg: DictConfig) -> ValidateInputs:
+    scenario = to_scenario(cfg)
+    source = str(cfg.get("input") or PUBLIC_RUNS)
     runs = read_runs(source)
     options = cfg.get("validate") or {}
     ids = list(options.get("ids") or [])
@@ -116,11 +120,12 @@ def prepare(cfg: DictConfig) -> ValidateJob:
         raise ConfigError(f"{len(runs)} runs cannot fit {len(fields)} runtime fields (and leave one out); "
                           "give more runs or fewer validate.fit fields")
     docs = options.get("docs")
-    return ValidateJob(setup=setup, runs=runs, clusters=_base_clusters(runs, cfg), fields=fields, moe_fields=moe_fields,
-                       leave_one_out=bool(options.get("leave_one_out", True)),
-                       leave_one_source_out=bool(options.get("leave_one_source_out", True)),
-                       docs=str(docs) if docs else None,
-                       source=source)
+    return ValidateInputs(runtime=scenario.cluster.runtime, output=output_options(cfg), runs=runs,
+                          clusters=_base_clusters(runs, cfg), fields=fields, moe_fields=moe_fields,
+                          leave_one_out=bool(options.get("leave_one_out", True)),
+                          leave_one_source_out=bool(options.get("leave_one_source_out", True)),
+                          docs=str(docs) if docs else None,
+                          source=source)
 
 
 def _workers(count: int) -> int:
@@ -142,13 +147,13 @@ def _mapper(pool, count: int):
     return lambda function, items: pool.map(function, items, chunksize=-(-count // _workers(count)))
 
 
-def _rows(job: ValidateJob) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
+def _rows(job: ValidateInputs) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
     pool = _pool(len(job.runs))
     try:
         mapper = _mapper(pool, len(job.runs))
         resolved = list(mapper(_resolve, list(zip(job.runs, job.clusters))))
         runs = RunSet(resolved, job.clusters)
-        in_use = job.setup.cluster.runtime
+        in_use = job.runtime
         stages = stages_of(resolved, dense=job.fields, moe=job.moe_fields)
         fitted = fit_stages(runs, start=in_use, stages=stages)
         loo = staged_leave_one_out(runs, start=fitted, stages=stages, mapper=mapper) \
@@ -174,7 +179,7 @@ def _resolve(item):
     return resolve(run, base)
 
 
-def run(job: ValidateJob, *, directory: str) -> None:
+def run(job: ValidateInputs, *, directory: str) -> None:
     rows, in_use, fitted = _rows(job)
     summaries = summarise(rows)
     command = "megapipe validate" + ("" if job.source == PUBLIC_RUNS else f" {os.path.basename(job.source)}")
@@ -207,7 +212,7 @@ def run(job: ValidateJob, *, directory: str) -> None:
     atomic_write_text(os.path.join(directory, "validation.json"), json.dumps(result, indent=2) + "\n")
     if job.docs:
         replace_marked_section(job.docs, begin=DOCS_BEGIN, end=DOCS_END, body=table)
-    if job.setup.output.json:
+    if job.output.json:
         print_json(result)
         return
     _print(rows, summaries, in_use=in_use, fitted=fitted, directory=directory, docs=job.docs,

@@ -1,13 +1,16 @@
-"""The one function from a composed Hydra config to domain records.
+"""The one function from a composed Hydra config to the job's records.
 
-``to_setup(cfg)`` validates across groups and returns a frozen :class:`Setup`: the model,
-cluster, parallel and train records, the typed search, replan and output options, and the
-search dimensions the user fixed. Parallel and train fields left null are search
-dimensions for ``megapipe plan`` (``to_setup(cfg, search=True)`` leaves them free and
-validates only what was given); every other command fills them with the write-ups' 70B
-setting (TP=4, PP=8, VP=1, CP=1, sequence parallel when TP>1, micro-batch 1, no recompute,
-1F1B), with TP and PP capped to the largest divisors of the node and cluster sizes, or with
-``fill`` (e.g. the sizes a monitored run used).
+``to_scenario(cfg)`` validates across groups and returns a frozen :class:`Scenario`: the model,
+cluster, parallel and train records, the schedule, the micro-batches and the search dimensions
+the user fixed. It checks the option groups too (``search.*``, ``output.*``, ``extra``), so a bad
+option fails every command alike; each command builds the option records it reads itself
+(:mod:`megapipe.config.options`) and its raw inputs (:func:`stage_times_of`, :func:`extra_of`,
+``cfg.get("profile")``, ``cfg.get("input")``) into its own input record. Parallel and train
+fields left null are search dimensions for ``megapipe plan`` (``to_scenario(cfg, search=True)``
+leaves them free and validates only what was given); every other command fills them with the
+write-ups' 70B setting (TP=4, PP=8, VP=1, CP=1, sequence parallel when TP>1, micro-batch 1, no
+recompute, 1F1B), with TP and PP capped to the largest divisors of the node and cluster sizes,
+or with ``fill`` (e.g. the sizes a monitored run used).
 """
 
 from __future__ import annotations
@@ -16,19 +19,13 @@ import math
 import os
 from collections.abc import Mapping
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from megapipe.config.hf import read_hf_config
-from megapipe.config.options import (
-    OutputOptions,
-    ReplanOptions,
-    output_options,
-    replan_options,
-    search_options,
-)
+from megapipe.config.options import output_options, replan_options, search_options
 from megapipe.config.schema import ModelConfig, register_configs
 from megapipe.cost.precision import PRECISIONS, check_precision, default_fp8_recipe
 from megapipe.config.validate import (
@@ -44,7 +41,6 @@ from megapipe.config.validate import (
 )
 from megapipe.errors import ConfigError
 from megapipe.features import feature_problem
-from megapipe.options import SearchOptions
 from megapipe.records import (
     SEARCH_DIMENSIONS,
     Activation,
@@ -62,8 +58,8 @@ from megapipe.records import (
 )
 from megapipe.schedules import SCHEDULE_NAMES, ScheduleName, spec
 
-__all__ = ["Setup", "conf_dir", "compose", "to_setup", "DEFAULT_FILL", "recorded_inputs", "runtime_file",
-           "runtime_of", "with_runtime_file"]
+__all__ = ["Scenario", "conf_dir", "compose", "to_scenario", "DEFAULT_FILL", "extra_of", "recorded_inputs",
+           "runtime_file", "runtime_of", "stage_times_of", "with_runtime_file"]
 
 DEFAULT_FILL = {
     "tensor_model_parallel_size": 4,
@@ -92,8 +88,8 @@ _SEARCH_PLACEHOLDER = {
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Setup:
-    """Everything a command needs, validated once."""
+class Scenario:
+    """The job: what is trained on which cluster, how it is split, validated once."""
 
     model: ModelSpec
     cluster: ClusterSpec
@@ -106,16 +102,6 @@ class Setup:
     num_microbatches: int
     fixed: Mapping[str, object]
     """Search dimensions the user set, with their values (the rest were filled or are searched)."""
-    search: SearchOptions = field(default_factory=SearchOptions)
-    replan: ReplanOptions = field(default_factory=ReplanOptions)
-    output: OutputOptions = field(default_factory=OutputOptions)
-    profile_path: str | None = None
-    input: str | None = None
-    """The positional path(s) of commands that take one (report DIR, replan RUN_DIR, calibrate PROFILE...)."""
-    stage_times: tuple | None = None
-    """``megapipe simulate``'s per-stage [F, B, W] triples as given (checked by the command)."""
-    extra: Mapping[str, object] = field(default_factory=dict)
-    """Free-form command settings (``extra.*``), checked by the command that reads them."""
 
 
 def conf_dir() -> str:
@@ -189,8 +175,9 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "
 
 
 _NO_DEFAULT = object()
-_MODEL_DEFAULTS = {item.name: item.default for item in dataclasses.fields(ModelConfig)
-                   if item.default is not dataclasses.MISSING}
+_MODEL_DEFAULTS = {item.name: item.default if item.default is not dataclasses.MISSING else item.default_factory()
+                   for item in dataclasses.fields(ModelConfig)
+                   if item.default is not dataclasses.MISSING or item.default_factory is not dataclasses.MISSING}
 """ModelConfig's defaults: a Hugging Face config.json overrides exactly these."""
 
 
@@ -493,12 +480,14 @@ def _expert_sizes(model: ModelSpec, values: Mapping, *, tp: int, stage: int, clu
     return ep, etp
 
 
-def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object] | None = None) -> Setup:
-    """Validate the composed config and turn it into records.
+def to_scenario(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object] | None = None) -> Scenario:
+    """Validate the composed config and turn the job it describes into records.
 
     ``search=True`` (``megapipe plan``): searched dimensions stay free; stand-ins let the given
-    ones be validated, and ``Setup.fixed`` holds what the search must keep. Otherwise null
-    dimensions are filled from ``fill``, then from :data:`DEFAULT_FILL`.
+    ones be validated, and ``Scenario.fixed`` holds what the search must keep. Otherwise null
+    dimensions are filled from ``fill``, then from :data:`DEFAULT_FILL`. The option groups
+    (search, replan, output, extra) are checked last, as for every command; their records are
+    built by the commands that read them.
     """
     check_known_keys(cfg)
     model, seq_source = _model_spec(cfg.model, train_seq_length=cfg.train.seq_length)
@@ -559,19 +548,31 @@ def to_setup(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, object
     given.update(pinned)
     if "recompute_granularity" in given:
         given["recompute_granularity"] = train.recompute_granularity
-    stage_times = cfg.get("stage_times")
-    if isinstance(stage_times, ListConfig):
-        stage_times = OmegaConf.to_container(stage_times, resolve=True)
-    return Setup(
+    stage_times_of(cfg)
+    scenario = Scenario(
         model=model, cluster=cluster, parallel=parallel, train=train, schedule=str(values["schedule"]),
         seq_length_source=seq_source,
         # A search derives each candidate's microbatches from its own DP and micro-batch size.
         num_microbatches=1 if search else _num_microbatches(cfg, train, parallel, (fill or {}).get("num_microbatches")),
-        fixed=given, search=search_options(cfg), replan=replan_options(cfg), output=output_options(cfg),
-        profile_path=cfg.get("profile"), input=cfg.get("input"),
-        stage_times=None if stage_times is None else tuple(stage_times),
-        extra=_extra(cfg.get("extra")),
+        fixed=given,
     )
+    # the option groups are checked for every command, in this order (the records are built where they are read)
+    search_options(cfg), replan_options(cfg), output_options(cfg)
+    extra_of(cfg)
+    return scenario
+
+
+def stage_times_of(cfg: DictConfig) -> tuple | None:
+    """``stage_times`` as given (``megapipe simulate``'s per-stage [F, B, W] triples, checked by the command)."""
+    stage_times = cfg.get("stage_times")
+    if isinstance(stage_times, ListConfig):
+        stage_times = OmegaConf.to_container(stage_times, resolve=True)
+    return None if stage_times is None else tuple(stage_times)
+
+
+def extra_of(cfg: DictConfig) -> dict:
+    """The free-form command settings (``extra.*``) as a mapping, checked by the command that reads them."""
+    return _extra(cfg.get("extra"))
 
 
 def _extra(raw) -> dict:

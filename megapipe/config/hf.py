@@ -1,9 +1,18 @@
 """Read a Hugging Face ``config.json`` from disk into Megatron-named model fields.
 
-Covers the Llama / Mistral / Qwen family (num_hidden_layers, num_key_value_heads,
-intermediate_size, hidden_act=silu -> SwiGLU, rope) and GPT-2 style files
-(n_layer, n_embd, n_head, n_inner, n_positions, learned absolute positions).
-No network access: only the file given is read.
+The mapping follows Megatron-Bridge's (``CONFIG_MAPPING`` in ``models/conversion/model_bridge.py`` and each
+family's bridge): shape (num_hidden_layers, hidden_size, intermediate_size, heads, num_key_value_heads,
+head_dim, vocab_size), tied embeddings, rope_theta, RMSNorm epsilon, attention_bias -> add_qkv_bias (Qwen2 and
+Qwen2.5 always: their bridge sets it), mlp_bias -> add_bias_linear, query/key norms (Qwen3, Gemma 3),
+Llama 3.1 style rope_scaling -> --use-rope-scaling and --rope-scaling-factor, and GPT-2 style files (n_layer,
+n_embd, n_head, n_inner, n_positions, learned absolute positions). Families covered: Llama 2/3/3.1, Qwen2/2.5/3,
+Mistral, Mixtral, Gemma 2/3, Phi-3, DeepSeek-V3, Qwen3-MoE, GPT-OSS and Llama 4.
+
+What megapipe neither costs nor emits goes to ``not_modelled``, and every plan of the model warns about it on
+the console and in plan.yaml: sliding-window attention, logit soft-capping, other rope scalings (YaRN, linear,
+LongRoPE), partial rotary embeddings, GeGLU (costed and emitted as SwiGLU: the same GEMM shapes), attention
+sinks, clamped SwiGLU, chunked attention and NoPE layers. The model's name is its ``model_type``, not the
+folder's. No network access: only the file given is read.
 
 ``max_position_embeddings`` is the longest context the model supports, not a training
 sequence length, so it fills ``max_position_embeddings`` only; the training length comes
@@ -58,12 +67,17 @@ def read_hf_config(path: str) -> dict:
     if not isinstance(data, Mapping):
         raise ConfigError(f"model.config_path={path!r} does not hold a JSON object")
     if "text_config" in data and isinstance(data["text_config"], Mapping):
-        data = {**data, **data["text_config"]}
+        data = {**data, **data["text_config"], "model_type": data.get("model_type") or data["text_config"].get("model_type")}
     gpt2_style = "n_layer" in data
     hidden = _first(data, "hidden_size", "n_embd", "d_model")
     heads = _first(data, "num_attention_heads", "n_head")
+    architectures = data.get("architectures") or []
+    named = str(architectures[0]) if architectures else ""
+    for suffix in ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel", "Model"):
+        named = named.removesuffix(suffix)
+    model_type = str(data.get("model_type") or named or "hf")
     fields = {
-        "name": os.path.splitext(os.path.basename(os.path.dirname(os.path.abspath(path))))[0] or "hf",
+        "name": model_type.lower().removesuffix("_text"),
         "num_layers": _first(data, "num_hidden_layers", "n_layer", "num_layers"),
         "hidden_size": hidden,
         "num_attention_heads": heads,
@@ -72,18 +86,27 @@ def read_hf_config(path: str) -> dict:
         "vocab_size": data.get("vocab_size"),
         "max_position_embeddings": _first(data, "max_position_embeddings", "n_positions"),
         "kv_channels": data.get("head_dim"),
-        "untie_embeddings_and_output_weights": not bool(data.get("tie_word_embeddings", gpt2_style)),
+        # each family's config class default when the file omits the key: Gemma's and GPT-2's tie, the rest do not
+        "untie_embeddings_and_output_weights": not bool(data.get("tie_word_embeddings",
+                                                                 gpt2_style or model_type.startswith("gemma"))),
         "position_embedding_type": "learned_absolute" if gpt2_style else "rope",
         "rotary_base": data.get("rope_theta"),
         "norm_epsilon": _first(data, "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon"),
     }
-    act = str(_first(data, "hidden_act", "activation_function") or "").lower()
-    fields["activation"] = "swiglu" if act in ("silu", "swish", "swiglu") else "gelu"
+    act = str(_first(data, "hidden_activation", "hidden_act", "activation_function") or "").lower()
+    gated_gelu = model_type.startswith("gemma") and act.startswith("gelu")
+    fields["activation"] = "swiglu" if act in ("silu", "swish", "swiglu") or gated_gelu else "gelu"
     missing = [key for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") if not fields[key]]
     if missing:
         raise ConfigError(f"model.config_path={path!r} lacks {', '.join(missing)}; is it a decoder-only LM config.json?")
-    if str(data.get("model_type", "")).startswith("qwen3"):
+    if model_type.startswith(("qwen3", "gemma3")) or data.get("use_qk_norm") and not model_type.startswith("llama4"):
         fields["qk_layernorm"] = True
+    if model_type in ("qwen2", "qwen2_moe") or (data.get("attention_bias") and model_type != "gpt_oss"):
+        fields["add_qkv_bias"] = True  # Qwen2's bridge sets it whatever the file says
+    if data.get("mlp_bias"):
+        fields["add_bias_linear"] = True
+    fields.update(_rope_scaling(data))
+    fields["not_modelled"] = _not_modelled(data, model_type, gated_gelu)
     if data.get("q_lora_rank") is not None or data.get("kv_lora_rank") is not None:
         fields.update(_mla_fields(data))
     if data.get("num_nextn_predict_layers"):
@@ -91,6 +114,56 @@ def read_hf_config(path: str) -> dict:
     if _first(data, *_EXPERT_COUNT_KEYS):
         fields.update(_moe_fields(data, path, int(fields["num_layers"])))
     return {key: value for key, value in fields.items() if value is not None}
+
+
+def _rope_scaling(data: Mapping) -> dict:
+    """Llama 3.1's frequency scaling as Megatron's --use-rope-scaling (its low/high factors and original length
+    are Megatron's fixed 1, 4 and 8192); other types are left to :func:`_not_modelled`."""
+    scaling = data.get("rope_scaling")
+    if not isinstance(scaling, Mapping) or (scaling.get("rope_type") or scaling.get("type")) != "llama3":
+        return {}
+    return {"use_rope_scaling": True, "rope_scaling_factor": float(scaling.get("factor", 8.0))}
+
+
+def _not_modelled(data: Mapping, model_type: str, gated_gelu: bool) -> list[str]:
+    """The file's architecture features megapipe neither costs nor emits, in words a plan warns with."""
+    found = []
+    window = data.get("sliding_window")
+    if window and data.get("use_sliding_window", True) and model_type not in ("qwen2", "qwen2_moe", "qwen3",
+                                                                               "qwen3_moe"):
+        layers = data.get("layer_types")
+        every = (" every other layer" if isinstance(layers, list) and layers.count("sliding_attention") * 2 ==
+                 len(layers) else (f", {data['sliding_window_pattern'] - 1} of every {data['sliding_window_pattern']}"
+                                   " layers" if data.get("sliding_window_pattern") else
+                                   " every other layer" if model_type == "gemma2" else " every layer"))
+        found.append(f"sliding-window attention ({window} tokens,{every})".replace(",,", ","))
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if data.get(key):
+            found.append(f"{key.replace('_', ' ')} ({data[key]})")
+    scaling = data.get("rope_scaling")
+    if isinstance(scaling, Mapping) and scaling:
+        kind = scaling.get("rope_type") or scaling.get("type")
+        if kind != "llama3":
+            found.append(f"rope_scaling {kind} (factor {scaling.get('factor')}): positions beyond the original "
+                         f"{scaling.get('original_max_position_embeddings') or 'context'} are not emitted")
+    if data.get("partial_rotary_factor") not in (None, 1, 1.0):
+        found.append(f"partial rotary embeddings (partial_rotary_factor {data['partial_rotary_factor']})")
+    if gated_gelu:
+        found.append("GeGLU activation (tanh-approximated GELU, gated): costed and emitted as SwiGLU, the same shapes")
+    if model_type == "gpt_oss":
+        found.append("attention sinks (learned per-head softmax offsets)")
+        if data.get("swiglu_limit"):
+            found.append(f"clamped SwiGLU (swiglu_limit {data['swiglu_limit']})")
+    if model_type.startswith("llama4"):
+        interval = data.get("no_rope_layer_interval") or 4  # transformers' default when no_rope_layers is empty
+        found.append(f"NoPE layers (every {interval}th layer has no rotary embedding)")
+        if data.get("attention_chunk_size"):
+            found.append(f"chunked attention ({data['attention_chunk_size']}-token chunks)")
+        if data.get("use_qk_norm"):
+            found.append("query/key L2 norm")
+    if data.get("vision_config"):
+        found.append("vision encoder")
+    return found
 
 
 def _mla_fields(data: Mapping) -> dict:

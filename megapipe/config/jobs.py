@@ -32,10 +32,10 @@ def _number(key: str, value, *, low: float = 0.0, allow_zero: bool = False) -> f
     return float(value)
 
 
-def _job_setup(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
+def _job_scenario(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
     """The job as ``megapipe plan`` would take it: the command line's config with the job's model, global batch,
     sequence length and precision in place (composed once per distinct job shape)."""
-    from megapipe.config.build import compose, conf_dir, to_setup
+    from megapipe.config.build import compose, conf_dir, to_scenario
 
     presets = sorted(name[:-5] for name in os.listdir(os.path.join(conf_dir(), "model"))
                      if name.endswith(".yaml") and not name.startswith("_"))
@@ -52,7 +52,7 @@ def _job_setup(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
             if precision is not None:
                 job_cfg.train.precision = str(precision)
         try:
-            cache[key] = to_setup(job_cfg, search=True)
+            cache[key] = to_scenario(job_cfg, search=True)
         except ConfigError as error:
             raise ConfigError(f"{where}: {error}") from None
     return cache[key]
@@ -84,13 +84,13 @@ def jobs_of(cfg: DictConfig, cluster: ClusterSpec) -> tuple[JobSpec, ...]:
         gpu = job.get("gpu")
         if gpu is not None and str(gpu) not in gpus:
             raise ConfigError(f"{where}.gpu={gpu!r} is no GPU type of cluster {cluster.name!r}; use one of {gpus}")
-        setup = _job_setup(cfg, job, where, cache)
+        scenario = _job_scenario(cfg, job, where, cache)
         tokens = job.get("tokens")
         deadline = job.get("deadline_hours")
         mbs = job.get("max_micro_batch_size")
         jobs.append(JobSpec(
-            name=name, model=setup.model, train=setup.train, template=setup.parallel,
-            fixed=tuple(sorted(setup.fixed.items())),
+            name=name, model=scenario.model, train=scenario.train, template=scenario.parallel,
+            fixed=tuple(sorted(scenario.fixed.items())),
             tokens=0.0 if tokens is None else _number(f"{where}.tokens", tokens),
             deadline_hours=None if deadline is None else _number(f"{where}.deadline_hours", deadline),
             weight=_number(f"{where}.weight", job.get("weight", 1.0)),

@@ -17,7 +17,7 @@ import megapipe.config.schema as schema
 from megapipe.errors import ConfigError
 from megapipe.records import BOUNDS, ClusterSpec, GpuSpec, LinkSpec, ModelSpec
 
-__all__ = ["MAX_LAYERS", "MAX_GPUS", "MAX_SIZE", "MAX_SEQ_LENGTH", "check_known_keys", "check_model", "check_gpu",
+__all__ = ["MAX_LAYERS", "MAX_GPUS", "MAX_SIZE", "MAX_SEQ_LENGTH", "check_known_keys", "check_model", "check_override_keys", "megatron_flag_key", "check_gpu",
            "check_link", "check_bounds", "check_cluster", "positive_int", "check_fraction_pair", "check_experts"]
 
 MAX_LAYERS = 4096
@@ -42,13 +42,28 @@ def _names(schema_class) -> set[str]:
 
 
 def _unknown(where: str, node, known: set[str]) -> None:
-    if not isinstance(node, DictConfig):
+    if not isinstance(node, (DictConfig, dict)):
         return
     for key in node:
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f"did you mean {where}.{close[0]}?" if close else f"known keys: {', '.join(sorted(known))}"
             raise ConfigError(f"{where}.{key} is not a megapipe setting; {hint}")
+
+
+_MEGATRON_FLAGS = {"num_experts": "model.num_moe_experts", "seq_length": "train.seq_length",
+                   "fp8_format": "train.precision", "bf16": "train.precision", "recompute_method": "train.recompute_granularity"}
+"""Megatron-LM flags whose megapipe key has another name or group."""
+
+
+def megatron_flag_key(flag: str) -> str | None:
+    """The megapipe key a Megatron-LM style flag (``--tensor-model-parallel-size``) sets, or None."""
+    name = flag.lstrip("-").split("=")[0].replace("-", "_")
+    if name in _MEGATRON_FLAGS:
+        return _MEGATRON_FLAGS[name]
+    groups = _group_of(name)
+    preferred = [group for group in ("parallel", "train", "model", "search", "output") if group in groups]
+    return f"{(preferred or groups)[0]}.{name}" if groups else None
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -70,6 +85,43 @@ def check_known_keys(cfg: DictConfig) -> None:
                 _unknown(f"cluster.node_groups[{index}]", entry, _names(schema.NodeGroupConfig))
                 if isinstance(entry, DictConfig):
                     _unknown(f"cluster.node_groups[{index}].gpu", entry.get("gpu"), _names(schema.GpuConfig))
+
+
+_OPEN = ("hydra", "extra", "jobs", "stage_times", "input", "profile")
+"""Top-level keys whose contents no schema lists (Hydra's own, free-form command settings, the job list)."""
+
+
+def _group_of(key: str) -> list[str]:
+    return sorted(group for group, schema_class in _GROUPS.items() if key in _names(schema_class))
+
+
+def check_override_keys(overrides) -> None:
+    """Refuse a ``key=value`` override whose key no schema has, with the key it likely means, before Hydra's
+    "use +key" advice: a typo (``train.seq_lenght``) or a key without its group (``tensor_model_parallel_size``)."""
+    top = _names(schema.Config)
+    for override in overrides:
+        key, _, value = str(override).partition("=")
+        key = key.lstrip("+~").strip()
+        if not key or "@" in key or key.startswith(_OPEN):
+            continue
+        parts = [part.split("[")[0] for part in key.split(".")]
+        if len(parts) == 1:
+            if key in top:
+                continue
+            groups = _group_of(key)
+            if groups:
+                raise ConfigError(f"{key} is no top-level setting; did you mean {groups[0]}.{key}={value}?")
+            close = difflib.get_close_matches(key, sorted(top), n=1)
+            raise ConfigError(f"{key} is not a megapipe setting" + (f"; did you mean {close[0]}?" if close else
+                                                                       "; settings are group.key=value"))
+        schema_class = _GROUPS.get(parts[0])
+        if len(parts) >= 3 and (parts[0], parts[1]) in _NESTED:
+            _unknown(f"{parts[0]}.{parts[1]}", {parts[2]: None}, _names(_NESTED[(parts[0], parts[1])]))
+        elif schema_class is not None and parts[1] not in _names(schema_class):
+            groups = _group_of(parts[1])
+            if groups:
+                raise ConfigError(f"{key} is not a megapipe setting; did you mean {groups[0]}.{parts[1]}?")
+            _unknown(parts[0], {parts[1]: None}, _names(schema_class))
 
 
 def _finite(value) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from megapipe.emit.megatron import megatron_args, megatron_env
 from megapipe.emit.overrides import BridgeKeys, bridge_settings, nemo1_settings, nemo2_settings, to_overrides
 from megapipe.emit.precision import bridge_precision, nemo1_precision, tp_overlap_on
-from megapipe.emit.quoting import shell_join, shell_quote
+from megapipe.emit.quoting import cli_number, shell_join, shell_quote
 from megapipe.emit.stages import StageKinds, decoder_counts, equal_stage_kinds, is_equal_split, validate_stages
 from megapipe.errors import ConfigError
 from megapipe.layout import format_layout, parse_layout
@@ -175,11 +175,13 @@ def _feature_warnings(model: ModelSpec, parallel: ParallelSpec) -> list[str]:
 
 
 def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec,
-         gpus: tuple[GpuSpec, ...], bridge_keys: BridgeKeys = BridgeKeys.flat, domain_gpus: int = 8) -> Emitted:
+         gpus: tuple[GpuSpec, ...], bridge_keys: BridgeKeys = BridgeKeys.flat, domain_gpus: int = 8,
+         gpus_per_node: int | None = None) -> Emitted:
     """Write ``partition`` for every front end; ConfigError if Megatron could not run it as planned.
 
     ``gpus``: the GPU type of each pipeline rank (what the environment the launch needs depends on);
-    ``domain_gpus``: the GPUs of one NVLink domain (HybridEP's topology variables).
+    ``domain_gpus``: the GPUs of one NVLink domain (HybridEP's topology variables); ``gpus_per_node``: the
+    node size, for NeMo 2's trainer.num_nodes and trainer.devices.
     """
     _check_sizes(partition, parallel)
     _check_model(partition, model)
@@ -200,6 +202,10 @@ def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, mode
                  "the model these arguments build lacks it (add its Megatron flags yourself)"
                  for feature in model.not_modelled]
     warnings += bridge_precision(train, parallel)[1] + nemo1_precision(train, parallel)[1]
+    if model.use_rope_scaling:
+        warnings.append(f"NeMo 2 sets Llama 3.1's RoPE scaling in its Llama31Config (scale_factor "
+                        f"{cli_number(model.rope_scaling_factor)}), which no override sets: start from a Llama 3.1 "
+                        "recipe there")
     if tp_overlap_on(parallel):
         warnings.append("NeMo 2 turns on TP communication overlap with MegatronCommOverlapCallback(tp_comm_overlap=True) "
                         "in the recipe's callbacks, which no override sets")
@@ -215,7 +221,8 @@ def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, mode
         bridge_overrides=to_overrides(bridge_settings(layout=layout, parallel=parallel, train=train, model=model,
                                                       env=env, keys=bridge_keys)),
         bridge_keys=BridgeKeys(bridge_keys),
-        nemo2_overrides=to_overrides(nemo2_settings(layout=layout, parallel=parallel, train=train, model=model)),
+        nemo2_overrides=to_overrides(nemo2_settings(layout=layout, parallel=parallel, train=train, model=model,
+                                                    gpus_per_node=gpus_per_node)),
         nemo1_overrides=to_overrides(nemo1_settings(parallel=parallel, train=train, model=model)),
         warnings=tuple(warnings + _nemo1_warnings(partition.stage_kinds, parallel)),
     )

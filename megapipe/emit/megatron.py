@@ -78,6 +78,8 @@ def _shape_args(model: ModelSpec, train: TrainSpec) -> list[str]:
     args += ["--position-embedding-type", model.position_embedding_type]
     if model.position_embedding_type == "rope":
         args += ["--rotary-base", str(int(round(model.rotary_base)))]
+        if model.use_rope_scaling:
+            args += ["--use-rope-scaling", "--rope-scaling-factor", cli_number(model.rope_scaling_factor)]
     if Activation(model.activation) == Activation.swiglu:
         args.append("--swiglu")
     elif Activation(model.activation) == Activation.squared_relu:
@@ -86,6 +88,8 @@ def _shape_args(model: ModelSpec, train: TrainSpec) -> list[str]:
     args += ["--normalization", str(family["normalization"]), "--norm-epsilon", cli_number(model.norm_epsilon)]
     if not family["add_bias_linear"]:
         args.append("--disable-bias-linear")
+        if model.add_qkv_bias:
+            args.append("--add-qkv-bias")
     args += ["--attention-dropout", cli_number(family["attention_dropout"]),
              "--hidden-dropout", cli_number(family["hidden_dropout"])]
     if model.untie_embeddings_and_output_weights:

@@ -86,6 +86,7 @@ def _transformer_shape(model: ModelSpec) -> dict[str, object]:
         "layernorm_epsilon": model.norm_epsilon, "add_bias_linear": family["add_bias_linear"],
         "gated_linear_unit": Activation(model.activation) == Activation.swiglu,
         "attention_dropout": family["attention_dropout"], "hidden_dropout": family["hidden_dropout"],
+        **({"add_qkv_bias": True} if model.add_qkv_bias and not family["add_bias_linear"] else {}),
     }
 
 
@@ -99,6 +100,8 @@ def _model_shape(model: ModelSpec, train: TrainSpec) -> dict[str, object]:
     }
     if model.position_embedding_type == "rope":
         settings["rotary_base"] = int(round(model.rotary_base))
+        if model.use_rope_scaling:  # GPTModel's rope_scaling / rope_scaling_factor (Bridge's and NeMo 2's GPTConfig)
+            settings.update(rope_scaling=True, rope_scaling_factor=model.rope_scaling_factor)
     return settings
 
 
@@ -132,9 +135,17 @@ def bridge_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mo
     return settings
 
 
-def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec) -> dict[str, object]:
-    """NeMo 2 recipe keys (``nemo llm pretrain`` through NeMo-Run) and values."""
+def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec,
+                   gpus_per_node: int | None = None) -> dict[str, object]:
+    """NeMo 2 recipe keys (``nemo llm pretrain`` through NeMo-Run) and values; with ``gpus_per_node`` the
+    trainer's nodes and devices (the recipe's own defaults are one node of eight)."""
+    shape = _model_shape(model, train)
+    for key in ("rope_scaling", "rope_scaling_factor"):  # NeMo 2 keeps Llama 3.1's scaling in Llama31Config
+        shape.pop(key, None)
+    trainer = ({"trainer.num_nodes": max(1, parallel.world_size // gpus_per_node),
+                "trainer.devices": min(gpus_per_node, parallel.world_size)} if gpus_per_node else {})
     return {
+        **trainer,
         **_prefixed("trainer.strategy", _strategy_settings(layout=layout, parallel=parallel)),
         **_prefixed("trainer.strategy", expert_parallel_config(model, parallel)),
         "trainer.strategy.ddp.overlap_grad_reduce": parallel.overlap_grad_reduce,
@@ -144,7 +155,7 @@ def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mod
         **_prefixed("model.config", {**moe_config(model, parallel), **feature_config(model, parallel, train),
                                      **overlap_config(parallel)}),
         **({"trainer.strategy.use_te_rng_tracker": True} if parallel.features.cuda_graphs else {}),
-        **_prefixed("model.config", _model_shape(model, train)),
+        **_prefixed("model.config", shape),
         "data.micro_batch_size": train.micro_batch_size,
         "data.global_batch_size": train.global_batch_size,
         "data.seq_length": train.seq_length,

@@ -84,11 +84,11 @@ def _preset(node: Mapping, where: str) -> ModelSpec:
     option, and any other key overrides the preset's field of that name."""
     import dataclasses
 
-    from megapipe.config import compose, to_setup
+    from megapipe.config import compose, to_scenario
 
     overrides = {key: value for key, value in node.items() if key != "preset"}
     try:
-        model = to_setup(compose([f"model={node['preset']}"])).model
+        model = to_scenario(compose([f"model={node['preset']}"])).model
     except ConfigError as error:
         raise ConfigError(f"{where}.model.preset={node['preset']!r}: {error}") from None
     names = {item.name for item in dataclasses.fields(ModelSpec)}
