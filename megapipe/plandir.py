@@ -67,7 +67,8 @@ def plan_emission(*, partition: Partition, parallel: ParallelSpec, train: TrainS
     if what_if:
         return Emission(gpus=gpus, emitted=None, what_if=what_if, nodes=nodes)
     emitted = emit(partition=partition, parallel=parallel, train=train, model=model, gpus=gpus,
-                   bridge_keys=BridgeKeys(bridge_keys), domain_gpus=cluster.domain_gpus)
+                   bridge_keys=BridgeKeys(bridge_keys), domain_gpus=cluster.domain_gpus,
+                   gpus_per_node=cluster.gpus_per_node)
     launch = launch_script(emitted, gpus_per_node=cluster.gpus_per_node, num_nodes=cluster.num_nodes,
                            vocab_size=model.vocab_size, node_ranges=node_ranges(nodes) if nodes else "",
                            title=title or f"megapipe plan of {model.name} on {cluster.name}")

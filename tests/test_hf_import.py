@@ -98,3 +98,16 @@ def test_qwen25_7b_arguments_carry_qkv_bias_and_llama31_its_rope_scaling():
     at = args.index("--rope-scaling-factor")
     assert "--use-rope-scaling" in args and args[at + 1] == "8" and "--add-qkv-bias" not in args
     assert "--use-rope-scaling" not in _args(_model("llama3_8b"))
+
+
+def test_a_plan_of_an_imported_model_says_on_the_console_what_it_does_not_emit(capsys, tmp_path):
+    from megapipe.cli import main
+
+    assert main(["plan", "model=hf", f"model.config_path={FIXTURES / 'gemma2_9b' / 'config.json'}",
+                 "train.seq_length=4096", "cluster.num_nodes=2", "output.pictures=false",
+                 f"output.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: NOT EMITTED: gemma2's sliding-window attention (4096 tokens, every other layer)" in out
+    assert "warning: NOT EMITTED: gemma2's final logit softcapping (30.0)" in out
+    nemo2 = (tmp_path / "nemo2_overrides.txt").read_text()
+    assert "trainer.num_nodes=2" in nemo2 and "trainer.devices=8" in nemo2

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from megapipe.commands.common import console, print_json
+from megapipe.commands.common import console, print_json, warn
 from megapipe.config import Scenario, recorded_inputs, to_scenario
 from megapipe.config.jobs import jobs_of, pack_options
 from megapipe.config.options import output_options, search_options
@@ -73,10 +73,13 @@ def _write_job_dirs(directory: str, job: PackInputs, jobs, options, cluster) -> 
     for spec, option in zip(jobs, options):
         sub = sub_cluster(cluster, option.group, option.nodes)
         path = os.path.join(directory, "jobs", spec.name)
-        write_plan(path, result=option.result, model=spec.model, cluster=sub,
+        plan = write_plan(path, result=option.result, model=spec.model, cluster=sub,
                    inputs={"job": spec.name, "pack": job.inputs.get("pack"), "cluster_nodes": option.nodes},
                    bridge_keys=job.output.bridge_keys, extra={"seq_length_source": "the job list"},
                    title=f"megapipe pack: {spec.name} ({spec.model.name}) on {option.nodes} x {sub.gpu.name} nodes")
+        emitted = plan.emission.emitted
+        for warning in emitted.warnings if emitted else plan.emission.what_if:
+            warn(f"job {spec.name}: {warning}")
         written.append(path)
     return written
 

@@ -247,7 +247,7 @@ def print_plans(result: SearchResult, *, scenario: Scenario, reference: Referenc
                   "their prediction; docs/validation.md)", markup=False)
     if moe:
         out.print(moe_assumptions(best, cluster.runtime), markup=False, soft_wrap=True)
-    for warning in best.warnings:
+    for warning in (*best.warnings, *(emitted.warnings if emitted else ())):
         out.print(f"warning: {warning}", markup=False)
     if nodes:
         out.print(f"node ranks and their GPU type (start node rank n on such a node): {node_ranges(nodes)}",

@@ -149,7 +149,8 @@ def _not_modelled(data: Mapping, model_type: str, gated_gelu: bool) -> list[str]
     if data.get("partial_rotary_factor") not in (None, 1, 1.0):
         found.append(f"partial rotary embeddings (partial_rotary_factor {data['partial_rotary_factor']})")
     if gated_gelu:
-        found.append("GeGLU activation (tanh-approximated GELU, gated): costed and emitted as SwiGLU, the same shapes")
+        found.append("GeGLU activation (tanh-approximated GELU, gated; the arguments build SwiGLU in its place, of the same "
+                     "shapes)")
     if model_type == "gpt_oss":
         found.append("attention sinks (learned per-head softmax offsets)")
         if data.get("swiglu_limit"):
