@@ -80,7 +80,8 @@ def _flag_error(command: str, rest: Sequence[str], at: int) -> _BadArguments:
             following = rest[index + 1] if index + 1 < len(rest) else ""
             value = following if following and not following.startswith("-") and "=" not in following else ""
         given.append(f"{name} {value}".strip())
-        keys.append(f"{megatron_flag_key(name)}={value or 'true'}")
+        key = megatron_flag_key(name)
+        keys.append(key if "=" in key else f"{key}={value or 'true'}")
     return _BadArguments(f"{' '.join(given)}: Megatron-LM flags; megapipe takes key=value settings: "
                          f"{' '.join(keys)}")
 

@@ -373,6 +373,11 @@ def _expected(plan: dict) -> dict:
         "normalization": "RMSNorm" if model["activation"] == "swiglu" else "LayerNorm",
         "add_bias_linear": (model["activation"] == "gelu" if model.get("add_bias_linear") is None
                             else bool(model["add_bias_linear"])),
+        # Megatron-LM keeps the QKV bias in step with add_bias_linear (validate_args)
+        "add_qkv_bias": bool(model.get("add_qkv_bias")) or (model["activation"] == "gelu" if model.get(
+            "add_bias_linear") is None else bool(model["add_bias_linear"])),
+        "use_rope_scaling": bool(model.get("use_rope_scaling")),
+        **({"rope_scaling_factor": float(model["rope_scaling_factor"])} if model.get("use_rope_scaling") else {}),
         "tensor_model_parallel_size": par["tensor_model_parallel_size"],
         "pipeline_model_parallel_size": par["pipeline_model_parallel_size"],
         "virtual_pipeline_model_parallel_size": vp if vp > 1 else None,

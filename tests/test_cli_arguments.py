@@ -13,6 +13,7 @@ from megapipe.cli import main
     (["plan", "--micro-batch-size=2"], "train.micro_batch_size=2"),
     (["plan", "--use-distributed-optimizer"], "parallel.use_distributed_optimizer=true"),
     (["plan", "--num-experts", "8"], "model.num_moe_experts=8"),
+    (["plan", "--bf16", "--fp8-format", "hybrid"], "train.precision=bf16 train.precision=fp8"),
     (["plan", "--foo"], "plan takes no flag --foo"),
     (["plan", "2:40"], "plan takes no positional argument '2:40'"),
     (["simulate", "llama3_70b"], "simulate takes no positional argument 'llama3_70b'"),

@@ -572,10 +572,7 @@ def stage_times_of(cfg: DictConfig) -> tuple | None:
 
 def extra_of(cfg: DictConfig) -> dict:
     """The free-form command settings (``extra.*``) as a mapping, checked by the command that reads them."""
-    return _extra(cfg.get("extra"))
-
-
-def _extra(raw) -> dict:
+    raw = cfg.get("extra")
     if raw is None:
         return {}
     options = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else raw

@@ -125,18 +125,24 @@ def _rope_scaling(data: Mapping) -> dict:
     return {"use_rope_scaling": True, "rope_scaling_factor": float(scaling.get("factor", 8.0))}
 
 
+def _windowed_layers(data: Mapping, model_type: str) -> str:
+    """Which layers attend within the window, in each family's convention."""
+    layers = data.get("layer_types")
+    if isinstance(layers, list) and layers.count("sliding_attention") * 2 == len(layers):  # GPT-OSS
+        return "every other layer"
+    pattern = data.get("sliding_window_pattern")
+    if pattern:  # Gemma 3: every pattern-th layer is global
+        return f"{pattern - 1} of every {pattern} layers"
+    return "every other layer" if model_type == "gemma2" else "every layer"
+
+
 def _not_modelled(data: Mapping, model_type: str, gated_gelu: bool) -> list[str]:
     """The file's architecture features megapipe neither costs nor emits, in words a plan warns with."""
     found = []
     window = data.get("sliding_window")
     if window and data.get("use_sliding_window", True) and model_type not in ("qwen2", "qwen2_moe", "qwen3",
                                                                                "qwen3_moe"):
-        layers = data.get("layer_types")
-        every = (" every other layer" if isinstance(layers, list) and layers.count("sliding_attention") * 2 ==
-                 len(layers) else (f", {data['sliding_window_pattern'] - 1} of every {data['sliding_window_pattern']}"
-                                   " layers" if data.get("sliding_window_pattern") else
-                                   " every other layer" if model_type == "gemma2" else " every layer"))
-        found.append(f"sliding-window attention ({window} tokens,{every})".replace(",,", ","))
+        found.append(f"sliding-window attention ({window} tokens, {_windowed_layers(data, model_type)})")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if data.get(key):
             found.append(f"{key.replace('_', ' ')} ({data[key]})")

@@ -57,7 +57,7 @@ def _schema_type(hint):
 
 
 def _is_table(hint) -> bool:
-    return typing.get_origin(hint) is dict or typing.get_origin(_schema_type(hint)) is dict
+    return typing.get_origin(_schema_type(hint)) is dict
 
 
 def record_schema(name: str, sources: Sequence[tuple[type, Sequence[str] | None]], *, nullable: Sequence[str] = (),

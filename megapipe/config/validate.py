@@ -52,12 +52,14 @@ def _unknown(where: str, node, known: set[str]) -> None:
 
 
 _MEGATRON_FLAGS = {"num_experts": "model.num_moe_experts", "seq_length": "train.seq_length",
-                   "fp8_format": "train.precision", "bf16": "train.precision", "recompute_method": "train.recompute_granularity"}
-"""Megatron-LM flags whose megapipe key has another name or group."""
+                   "bf16": "train.precision=bf16", "fp16": "train.precision=fp16", "fp8_format": "train.precision=fp8"}
+"""Megatron-LM flags whose megapipe setting has another name or group; with ``=`` the whole setting (a switch
+that megapipe spells as a value)."""
 
 
 def megatron_flag_key(flag: str) -> str | None:
-    """The megapipe key a Megatron-LM style flag (``--tensor-model-parallel-size``) sets, or None."""
+    """The megapipe key a Megatron-LM style flag (``--tensor-model-parallel-size``) sets, or None; a
+    ``key=value`` where the flag is a switch megapipe spells as a value (``--bf16``: ``train.precision=bf16``)."""
     name = flag.lstrip("-").split("=")[0].replace("-", "_")
     if name in _MEGATRON_FLAGS:
         return _MEGATRON_FLAGS[name]
