@@ -88,7 +88,7 @@ def _all(rank, log_dir):
     measured = out["monitored"]["links"][0][1]
     out["matching"] = _run(monitor_kwargs=dict(
         expected_link={"kind": "loopback", "bandwidth_gbytes_per_s": measured, "latency_us": 50.0},
-        topology_threshold=0.75))
+        topology_threshold=4.0))  # loopback bandwidth swings several-fold when other processes share the cores
 
     def hook_fault(mon):  # the schedule hook's clock raises on rank 0 from its 30th mark on
         if rank == 0:

@@ -67,7 +67,9 @@ def test_stage_costs_land_in_their_pass(results, label):
     """The sleeps are the op costs: F, full B = I + W; torch's split puts W's sleep in W,
     except on stage 0 whose input needs no gradient, where torch runs the whole backward as W."""
     case, means = results[label].case, mean_action_ms(results[label])
-    slack_ms = 2.0 if results[label].p2p_ms < CONTENDED_P2P_MS else 10.0
+    # A sleep overruns by scheduler latency, which grows with the sleep under load; a cost in the
+    # wrong pass moves at least 2 * min(input_grad_ms) = 6 ms, beyond this slack for every op here.
+    contended = results[label].p2p_ms >= CONTENDED_P2P_MS
     for stage in range(case.num_stages):
         expected = {"F": case.fwd_ms[stage]}
         if label == "1F1B":
@@ -77,6 +79,7 @@ def test_stage_costs_land_in_their_pass(results, label):
         else:
             expected.update(I=case.input_grad_ms[stage], W=case.wgrad_ms[stage])
         for kind, nominal_ms in expected.items():
+            slack_ms = 10.0 if contended else 2.0 + 0.15 * nominal_ms
             assert nominal_ms <= means[stage, kind] <= nominal_ms + slack_ms, (stage, kind, means[stage, kind])
 
 
