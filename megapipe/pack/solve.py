@@ -79,85 +79,142 @@ def _milp(cost, rows, lower, upper, integrality, bounds_high):
     return result.x
 
 
-def solve_milp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacities: Sequence[int], *,
-               objective: str = "throughput", previous: Sequence[tuple[int, int] | None] | None = None,
-               slack: float = 0.0) -> Packing:
-    """The optimal packing; with ``previous`` ((group, nodes) per job, None for a new one), the one with the
-    fewest moves among those within ``slack`` of the optimum."""
-    feasible_or_raise(jobs, options, capacities)
-    index = [(j, o) for j, opts in enumerate(options) for o in range(len(opts))]
-    count = len(index)
-    width = count + 1  # the makespan variable last
-    rows, lower, upper = [], [], []
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PackProgram:
+    """The packing MILP: a binary per (job, option) in ``index`` order, then the makespan variable last."""
+
+    index: tuple[tuple[int, int], ...]
+    """(job, option) of each binary variable."""
+    rows: tuple[np.ndarray, ...]
+    lower: tuple[float, ...]
+    upper: tuple[float, ...]
+    integrality: np.ndarray
+    high: np.ndarray
+    flops: np.ndarray
+    """Each variable's weighted FLOP/s, scaled to at most 1 (0 for the makespan)."""
+    met: np.ndarray
+    """Each variable's weight when its option meets the job's deadline, else 0."""
+
+    @property
+    def width(self) -> int:
+        """How many variables."""
+        return len(self.index) + 1
+
+    def solve(self, cost: np.ndarray, extra_rows=()) -> np.ndarray:
+        """The MILP's solution minimising ``cost`` with ``extra_rows`` ((row, lower, upper) each) added."""
+        extra = list(extra_rows)
+        x = _milp(cost, list(self.rows) + [r for r, _, _ in extra], list(self.lower) + [lo for _, lo, _ in extra],
+                  list(self.upper) + [hi for _, _, hi in extra], self.integrality, self.high)
+        if x is None:
+            raise InfeasibleError("no packing fits every job on the cluster's nodes; drop or defer a job "
+                                  "(arrives_later) or add nodes")
+        return x
+
+    def primary(self, objective: str) -> np.ndarray:
+        """The cost vector of ``objective`` (minimised)."""
+        if objective == "throughput":
+            return -self.flops
+        if objective == "makespan":
+            primary = np.zeros(self.width)
+            primary[-1] = 1.0
+            return primary
+        return -self.met
+
+    def choice(self, x: np.ndarray, num_jobs: int) -> list[int]:
+        """The option index each job takes in solution ``x``."""
+        choice = [0] * num_jobs
+        for k, (j, o) in enumerate(self.index):
+            if x[k] > 0.5:
+                choice[j] = o
+        return choice
+
+
+def _capacity_rows(jobs, options, capacities, index, width: int) -> list[tuple[np.ndarray, float, float]]:
+    """(row, lower, upper) rows: one option per job, and each node group's nodes within its capacity."""
+    out = []
     for j in range(len(jobs)):
         row = np.zeros(width)
         row[[k for k, (jj, _) in enumerate(index) if jj == j]] = 1.0
-        rows.append(row), lower.append(1.0), upper.append(1.0)
+        out.append((row, 1.0, 1.0))
     for group, capacity in enumerate(capacities):
         row = np.zeros(width)
         for k, (j, o) in enumerate(index):
             if options[j][o].group == group:
                 row[k] = options[j][o].nodes
-        rows.append(row), lower.append(-np.inf), upper.append(float(capacity))
+        out.append((row, -np.inf, float(capacity)))
+    return out
+
+
+def _makespan_rows(jobs, index, hours: np.ndarray, width: int) -> list[tuple[np.ndarray, float, float]]:
+    """(row, lower, upper) rows: every job's ``hours`` (per variable) within the makespan variable."""
+    out = []
+    for j in range(len(jobs)):
+        row = np.zeros(width)
+        for k, (jj, _) in enumerate(index):
+            if jj == j:
+                row[k] = hours[k]
+        row[-1] = -1.0
+        out.append((row, -np.inf, 0.0))
+    return out
+
+
+def _pack_program(jobs, options, capacities, objective: str) -> _PackProgram:
+    """The packing MILP's variables, rows and objective columns for ``objective``."""
+    index = tuple((j, o) for j, opts in enumerate(options) for o in range(len(opts)))
+    width = len(index) + 1
+    table = _capacity_rows(jobs, options, capacities, index, width)
     integrality = np.ones(width)
     integrality[-1] = 0
     high = np.ones(width)
     high[-1] = np.inf
     flops = np.array([jobs[j].weight * options[j][o].flops_per_s for j, o in index] + [0.0])
     scale = float(flops.max()) or 1.0
-    flops = flops / scale
     hours = np.array([options[j][o].hours(jobs[j].tokens) if jobs[j].tokens > 0 else 0.0 for j, o in index])
     met = np.array([jobs[j].weight if jobs[j].deadline_hours is not None
                     and options[j][o].hours(jobs[j].tokens) <= jobs[j].deadline_hours else 0.0 for j, o in index]
                    + [0.0])
     if objective == "makespan":
-        for j in range(len(jobs)):
-            row = np.zeros(width)
-            for k, (jj, _) in enumerate(index):
-                if jj == j:
-                    row[k] = hours[k]
-            row[-1] = -1.0
-            rows.append(row), lower.append(-np.inf), upper.append(0.0)
+        table += _makespan_rows(jobs, index, hours, width)
+    return _PackProgram(index=index, rows=tuple(row for row, _, _ in table), lower=tuple(lo for _, lo, _ in table),
+                        upper=tuple(hi for _, _, hi in table), integrality=integrality, high=high,
+                        flops=flops / scale, met=met)
 
-    def solve(cost, extra_rows=()):
-        extra = list(extra_rows)
-        x = _milp(cost, rows + [r for r, _, _ in extra], lower + [lo for _, lo, _ in extra],
-                  upper + [hi for _, _, hi in extra], integrality, high)
-        if x is None:
-            raise InfeasibleError("no packing fits every job on the cluster's nodes; drop or defer a job "
-                                  "(arrives_later) or add nodes")
-        return x
 
+def _fewest_moves(program: _PackProgram, options, previous, primary: np.ndarray, best: float, objective: str,
+                  slack: float) -> tuple[np.ndarray, int]:
+    """The solution with the fewest moves from ``previous`` within ``slack`` of ``best`` (the most FLOP/s among
+    them), and its number of moves."""
+    stay = np.zeros(program.width)
+    for k, (j, o) in enumerate(program.index):
+        if previous[j] is not None and (options[j][o].group, options[j][o].nodes) == tuple(previous[j]):
+            stay[k] = 1.0
+    movable = sum(1 for item in previous if item is not None)
+    bound = best * (1 + slack) if objective == "makespan" else best * (1 - slack)  # best <= 0 otherwise
+    within = (primary, -np.inf, bound + _TOL * max(1.0, abs(best)))
+    x = program.solve(-stay, [within])
+    stayed = int(round(float(stay @ x)))
+    x = program.solve(-program.flops, [within, (stay, stayed - 0.5, np.inf)])  # the most FLOP/s with those moves
+    return x, movable - stayed
+
+
+def solve_milp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacities: Sequence[int], *,
+               objective: str = "throughput", previous: Sequence[tuple[int, int] | None] | None = None,
+               slack: float = 0.0) -> Packing:
+    """The optimal packing; with ``previous`` ((group, nodes) per job, None for a new one), the one with the
+    fewest moves among those within ``slack`` of the optimum."""
+    feasible_or_raise(jobs, options, capacities)
+    program = _pack_program(jobs, options, capacities, objective)
     # stage 1: the objective
-    if objective == "throughput":
-        primary = -flops
-    elif objective == "makespan":
-        primary = np.zeros(width)
-        primary[-1] = 1.0
-    else:
-        primary = -met
-    x = solve(primary)
+    primary = program.primary(objective)
+    x = program.solve(primary)
     best = float(primary @ x)
     # stage 2: the tie-break (FLOP/s) for makespan and deadlines
     if objective != "throughput":
-        x = solve(-flops, [(primary, -np.inf, best + _TOL * max(1.0, abs(best)))])
+        x = program.solve(-program.flops, [(primary, -np.inf, best + _TOL * max(1.0, abs(best)))])
     moves = 0
     if previous is not None:
-        stay = np.zeros(width)
-        for k, (j, o) in enumerate(index):
-            if previous[j] is not None and (options[j][o].group, options[j][o].nodes) == tuple(previous[j]):
-                stay[k] = 1.0
-        movable = sum(1 for item in previous if item is not None)
-        bound = best * (1 + slack) if objective == "makespan" else best * (1 - slack)  # best <= 0 otherwise
-        within = (primary, -np.inf, bound + _TOL * max(1.0, abs(best)))
-        x = solve(-stay, [within])
-        stayed = int(round(float(stay @ x)))
-        moves = movable - stayed
-        x = solve(-flops, [within, (stay, stayed - 0.5, np.inf)])  # the most FLOP/s with those moves
-    choice = [0] * len(jobs)
-    for k, (j, o) in enumerate(index):
-        if x[k] > 0.5:
-            choice[j] = o
+        x, moves = _fewest_moves(program, options, previous, primary, best, objective, slack)
+    choice = program.choice(x, len(jobs))
     return Packing(choice=tuple(choice), objective=objective, value=score(jobs, options, choice, objective),
                    moves=moves)
 

@@ -280,38 +280,41 @@ def _lows(shape: UniformShape, num_stages: int) -> list[int]:
             for stage in range(num_stages)]
 
 
-def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
-                  profiles: Sequence[Sequence[Sequence[int]]], lower_bound: float | None = None) -> tuple[int, ...] | None:
-    """Boundaries (entry indices) of the min-max split under the coupled rank memory, or None if none fits.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _UniformSearch:
+    """What :func:`uniform_split`'s bottleneck tests share: the ranks' problems and the stages' fixed parts."""
 
-    ``lower_bound``: a bottleneck no split beats (the split without memory limits), where the search starts."""
-    num_stages, pp = len(ranks), len(stages)
-    found = _rank_problems(shape, stages, ranks, profiles)
-    if found is None:
-        return None
-    problems, owned, pinned, low = found
-    unit = shape.decoder.fwd_ms + shape.decoder.bwd_ms
-    n = shape.num_decoders
+    stages: Sequence[StageSpec]
+    ranks: Sequence[int]
+    problems: list[_RankProblem]
+    owned: tuple[tuple[int, ...], ...]
+    pinned: list
+    low: list[int]
+    unit: float
+    """F + B of one decoder (ms)."""
+    num_decoders: int
 
-    def highs(bottleneck: float) -> list[int] | None:
+    def highs(self, bottleneck: float) -> list[int] | None:
+        """Most decoders each stage can take within ``bottleneck``, or None when a stage cannot take its fewest."""
+        n, unit = self.num_decoders, self.unit
         out = []
-        for stage in range(num_stages):
-            scale = stages[ranks[stage]].time_scale
-            spare = bottleneck / scale - pinned[stage][0] if scale > 0 else math.inf
+        for stage in range(len(self.ranks)):
+            scale = self.stages[self.ranks[stage]].time_scale
+            spare = bottleneck / scale - self.pinned[stage][0] if scale > 0 else math.inf
             top = n if unit <= 0 else int(math.floor(spare / unit + _EPS))
-            if top < low[stage]:
+            if top < self.low[stage]:
                 return None
             out.append(min(top, n))
         return out
 
-    def decided(bottleneck: float) -> bool | None:
+    def decided(self, bottleneck: float) -> bool | None:
         """Feasibility from cheap bounds alone (None when only the exact rank totals can tell)."""
-        high = highs(bottleneck)
+        high = self.highs(bottleneck)
         if high is None:
             return False
         upper = lower = 0.0
-        for rank, problem in enumerate(problems):
-            top = tuple(high[s] for s in owned[rank])
+        for rank, problem in enumerate(self.problems):
+            top = tuple(high[s] for s in self.owned[rank])
             if top in problem._cache:
                 found = problem._cache[top]
                 if found is None:
@@ -324,29 +327,36 @@ def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Se
             else:
                 upper += min(sum(top), math.floor(problem.upper(top) + 1e-9))
                 lower += sum(problem.low)
-        if upper < n:
+        if upper < self.num_decoders:
             return False
-        return True if lower >= n else None
+        return True if lower >= self.num_decoders else None
 
-    def feasible(bottleneck: float) -> tuple[list[int], list[int | None]] | None:
-        high = highs(bottleneck)
+    def feasible(self, bottleneck: float) -> tuple[list[int], list[int | None]] | None:
+        """Each stage's most decoders and each rank's largest total within ``bottleneck``, or None if too few."""
+        high = self.highs(bottleneck)
         if high is None:
             return None
-        largest = [problems[r].largest(tuple(high[s] for s in owned[r])) for r in range(pp)]
-        if any(value is None for value in largest) or sum(largest) < n:
+        largest = [self.problems[r].largest(tuple(high[s] for s in self.owned[r])) for r in range(len(self.stages))]
+        if any(value is None for value in largest) or sum(largest) < self.num_decoders:
             return None
         return high, largest
 
-    def ok(bottleneck: float) -> bool:
-        quick = decided(bottleneck)
-        return quick if quick is not None else feasible(bottleneck) is not None
+    def ok(self, bottleneck: float) -> bool:
+        """Whether some split fits within ``bottleneck`` (cheap bounds first, then the exact rank totals)."""
+        quick = self.decided(bottleneck)
+        return quick if quick is not None else self.feasible(bottleneck) is not None
 
-    values = sorted({stages[ranks[s]].time_scale * (pinned[s][0] + d * unit)
-                     for s in range(num_stages) for d in range(low[s], n + 1)})
-    if lower_bound is not None:
-        values = [value for value in values if value >= lower_bound * (1 - 1e-12)] or values[-1:]
-    if not values or not ok(values[-1]):
-        return None
+    def candidates(self, lower_bound: float | None) -> list[float]:
+        """The values a bottleneck can take (some stage's time on its rank's GPU), from ``lower_bound`` up."""
+        values = sorted({self.stages[self.ranks[s]].time_scale * (self.pinned[s][0] + d * self.unit)
+                         for s in range(len(self.ranks)) for d in range(self.low[s], self.num_decoders + 1)})
+        if lower_bound is not None:
+            values = [value for value in values if value >= lower_bound * (1 - 1e-12)] or values[-1:]
+        return values
+
+
+def _first_ok(values: Sequence[float], ok) -> int:
+    """Index of the least of the ascending ``values`` that passes ``ok`` (the last one does)."""
     # Gallop from the lower bound (the answer is usually a few values above it), then bisect.
     lo, hi, step = 0, len(values) - 1, 1
     while lo + step < hi and not ok(values[lo + step]):
@@ -358,8 +368,25 @@ def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Se
             lo = mid + 1
         else:
             hi = mid
-    high, largest = feasible(values[lo])
-    return _bounds_from(problems, owned, high, largest, n, shape, num_stages)
+    return lo
+
+
+def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
+                  profiles: Sequence[Sequence[Sequence[int]]], lower_bound: float | None = None) -> tuple[int, ...] | None:
+    """Boundaries (entry indices) of the min-max split under the coupled rank memory, or None if none fits.
+
+    ``lower_bound``: a bottleneck no split beats (the split without memory limits), where the search starts."""
+    found = _rank_problems(shape, stages, ranks, profiles)
+    if found is None:
+        return None
+    problems, owned, pinned, low = found
+    search = _UniformSearch(stages=stages, ranks=ranks, problems=problems, owned=owned, pinned=pinned, low=low,
+                            unit=shape.decoder.fwd_ms + shape.decoder.bwd_ms, num_decoders=shape.num_decoders)
+    values = search.candidates(lower_bound)
+    if not values or not search.ok(values[-1]):
+        return None
+    high, largest = search.feasible(values[_first_ok(values, search.ok)])
+    return _bounds_from(problems, owned, high, largest, shape.num_decoders, shape, len(ranks))
 
 
 def _bounds_from(problems, owned, high, largest, n, shape: UniformShape, num_stages: int) -> tuple[int, ...]:
@@ -472,6 +499,118 @@ def _solve_milp(cost, rows, cols, data, lower, upper, low, high, integrality, ti
     return result.x
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _RunRows:
+    """The run formulation's rows over its variables: (y[s, r], o[s, r]) pairs per boundary and run, then T."""
+
+    values: dict[str, np.ndarray]
+    """Per entry: "n" ones, "t" F + B (ms), "s" static and "a" activation GiB."""
+    prefix: dict[str, np.ndarray]
+    starts: np.ndarray
+    lengths: np.ndarray
+    count: int
+    num_stages: int
+
+    @classmethod
+    def build(cls, layers, runs, num_stages: int) -> _RunRows:
+        """The entries' quantities and prefix sums, and the runs' starts and lengths."""
+        gib = GIB  # bytes in GiB keep the memory rows well scaled
+        values = {
+            "n": np.ones(len(layers)),
+            "t": np.array([layer.fwd_ms + layer.bwd_ms for layer in layers]),
+            "s": np.array([layer.static_bytes for layer in layers]) / gib,
+            "a": np.array([layer.act_bytes for layer in layers]) / gib,
+        }
+        return cls(values=values, prefix={q: np.concatenate([[0.0], np.cumsum(v)]) for q, v in values.items()},
+                   starts=np.array([start for start, _ in runs]),
+                   lengths=np.array([length for _, length in runs], dtype=float),
+                   count=len(layers), num_stages=num_stages)
+
+    @property
+    def num_runs(self) -> int:
+        """How many runs of identical entries."""
+        return len(self.starts)
+
+    @property
+    def width(self) -> int:
+        """How many variables: a (y, o) pair per boundary and run, and the bottleneck T last."""
+        return 2 * (self.num_stages - 1) * self.num_runs + 1
+
+    def row(self, weights: dict[str, np.ndarray]) -> tuple[np.ndarray, float]:
+        """Coefficients and constant of sum_q sum_s weights[q][s] * (stage s's sum of quantity q)."""
+        boundaries, num_runs, width = self.num_stages - 1, self.num_runs, self.width
+        out = np.zeros(width)
+        constant = 0.0
+        y_part = np.zeros((boundaries, num_runs))
+        o_part = np.zeros((boundaries, num_runs))
+        for q, w in weights.items():
+            delta = w[:-1] - w[1:]  # boundary s ends stage s-1 (+) and starts stage s (-)
+            y_part += delta[:, None] * self.prefix[q][self.starts][None, :]
+            o_part += delta[:, None] * self.values[q][self.starts][None, :]
+            constant += w[-1] * self.prefix[q][self.count]
+        out[0:width - 1:2] = y_part.ravel()
+        out[1:width - 1:2] = o_part.ravel()
+        return out, constant
+
+    def boundary_rows(self) -> list[tuple[np.ndarray, float, float]]:
+        """(coefficients, lower, upper) rows: one run per boundary, offsets within their run, ascending runs."""
+        boundaries, num_runs, width = self.num_stages - 1, self.num_runs, self.width
+        out = []
+        for boundary in range(boundaries):
+            one = np.zeros(width)
+            one[2 * boundary * num_runs:2 * (boundary + 1) * num_runs:2] = 1.0
+            out.append((one, 1.0, 1.0))
+            for run in range(num_runs):
+                offset = np.zeros(width)
+                offset[2 * (boundary * num_runs + run) + 1] = 1.0
+                offset[2 * (boundary * num_runs + run)] = -(self.lengths[run] - 1.0)
+                out.append((offset, -np.inf, 0.0))
+            if boundary + 1 < boundaries:  # boundaries ascend, so their runs do (a cut)
+                order = np.zeros(width)
+                order[2 * (boundary + 1) * num_runs:2 * (boundary + 2) * num_runs:2] = np.arange(num_runs)
+                order[2 * boundary * num_runs:2 * (boundary + 1) * num_runs:2] = -np.arange(num_runs)
+                out.append((order, 0.0, np.inf))
+        return out
+
+    def stage_rows(self, stages, ranks) -> list[tuple[np.ndarray, float, float]]:
+        """(coefficients, lower, upper) rows: every stage non-empty, every stage's time within T."""
+        out = []
+        for stage in range(self.num_stages):
+            unit = np.zeros(self.num_stages)
+            unit[stage] = 1.0
+            coefficients, constant = self.row({"n": unit})
+            out.append((coefficients, 1.0 - constant, np.inf))
+            coefficients, constant = self.row({"t": unit * stages[ranks[stage]].time_scale})
+            coefficients[self.width - 1] = -1.0
+            out.append((coefficients, -np.inf, -constant))
+        return out
+
+    def memory_rows(self, stages, ranks, profiles) -> list[tuple[np.ndarray, float, float]]:
+        """(coefficients, lower, upper) rows: every rank's coupled memory (GiB) at every profile vector."""
+        out = []
+        for rank, owned in enumerate(rank_stages(ranks, len(stages))):
+            for vector in profiles[rank]:
+                static, act = np.zeros(self.num_stages), np.zeros(self.num_stages)
+                static[list(owned)] = 1.0
+                act[list(owned)] = vector
+                coefficients, constant = self.row({"s": static, "a": act})
+                out.append((coefficients, -np.inf, stages[rank].memory_bytes / GIB - constant))
+        return out
+
+    def variable_bounds(self, runs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Lower and upper bounds of the variables for ``runs`` (T's upper bound is set per solve)."""
+        num_runs, count, num_stages = self.num_runs, self.count, self.num_stages
+        low, high = np.zeros(self.width), np.ones(self.width)
+        for boundary in range(num_stages - 1):
+            stage = boundary + 1
+            for run, (start, length) in enumerate(runs):
+                high[2 * (boundary * num_runs + run) + 1] = length - 1.0
+                # boundary s lies in [s, count - (S - s)]: every stage before and after it holds an entry
+                if start + length - 1 < stage or start > count - (num_stages - stage):
+                    high[2 * (boundary * num_runs + run)] = 0.0
+        return low, high
+
+
 class _RunModel:
     """The run formulation, built once and solved for several bottlenecks.
 
@@ -485,79 +624,12 @@ class _RunModel:
     def __init__(self, *, layers, runs, stages, ranks, profiles):
         from scipy.sparse import csr_matrix
 
-        count, num_stages, pp = len(layers), len(ranks), len(stages)
-        self.runs, self.num_stages, self.count = runs, num_stages, count
-        num_runs = len(runs)
-        gib = GIB  # bytes in GiB keep the memory rows well scaled
-        starts = np.array([start for start, _ in runs])
-        lengths = np.array([length for _, length in runs], dtype=float)
-        values = {
-            "n": np.ones(count),
-            "t": np.array([layer.fwd_ms + layer.bwd_ms for layer in layers]),
-            "s": np.array([layer.static_bytes for layer in layers]) / gib,
-            "a": np.array([layer.act_bytes for layer in layers]) / gib,
-        }
-        prefix = {q: np.concatenate([[0.0], np.cumsum(v)]) for q, v in values.items()}
-        boundaries = num_stages - 1
-        width = 2 * boundaries * num_runs + 1
-        self.width = width
-
-        def row(weights: dict[str, np.ndarray]) -> tuple[np.ndarray, float]:
-            """Coefficients and constant of sum_q sum_s weights[q][s] * (stage s's sum of quantity q)."""
-            out = np.zeros(width)
-            constant = 0.0
-            y_part = np.zeros((boundaries, num_runs))
-            o_part = np.zeros((boundaries, num_runs))
-            for q, w in weights.items():
-                delta = w[:-1] - w[1:]  # boundary s ends stage s-1 (+) and starts stage s (-)
-                y_part += delta[:, None] * prefix[q][starts][None, :]
-                o_part += delta[:, None] * values[q][starts][None, :]
-                constant += w[-1] * prefix[q][count]
-            out[0:width - 1:2] = y_part.ravel()
-            out[1:width - 1:2] = o_part.ravel()
-            return out, constant
-
-        matrix, lower, upper = [], [], []
-        for boundary in range(boundaries):
-            one = np.zeros(width)
-            one[2 * boundary * num_runs:2 * (boundary + 1) * num_runs:2] = 1.0
-            matrix.append(one), lower.append(1.0), upper.append(1.0)
-            for run in range(num_runs):
-                offset = np.zeros(width)
-                offset[2 * (boundary * num_runs + run) + 1] = 1.0
-                offset[2 * (boundary * num_runs + run)] = -(lengths[run] - 1.0)
-                matrix.append(offset), lower.append(-np.inf), upper.append(0.0)
-            if boundary + 1 < boundaries:  # boundaries ascend, so their runs do (a cut)
-                order = np.zeros(width)
-                order[2 * (boundary + 1) * num_runs:2 * (boundary + 2) * num_runs:2] = np.arange(num_runs)
-                order[2 * boundary * num_runs:2 * (boundary + 1) * num_runs:2] = -np.arange(num_runs)
-                matrix.append(order), lower.append(0.0), upper.append(np.inf)
-        for stage in range(num_stages):
-            unit = np.zeros(num_stages)
-            unit[stage] = 1.0
-            coefficients, constant = row({"n": unit})
-            matrix.append(coefficients), lower.append(1.0 - constant), upper.append(np.inf)
-            coefficients, constant = row({"t": unit * stages[ranks[stage]].time_scale})
-            coefficients[width - 1] = -1.0
-            matrix.append(coefficients), lower.append(-np.inf), upper.append(-constant)
-        for rank, owned in enumerate(rank_stages(ranks, pp)):
-            for vector in profiles[rank]:
-                static, act = np.zeros(num_stages), np.zeros(num_stages)
-                static[list(owned)] = 1.0
-                act[list(owned)] = vector
-                coefficients, constant = row({"s": static, "a": act})
-                matrix.append(coefficients), lower.append(-np.inf)
-                upper.append(stages[rank].memory_bytes / gib - constant)
-        self.matrix = csr_matrix(np.array(matrix))
-        self.lower, self.upper = np.array(lower), np.array(upper)
-        self.low, self.high = np.zeros(width), np.ones(width)
-        for boundary in range(boundaries):
-            stage = boundary + 1
-            for run, (start, length) in enumerate(runs):
-                self.high[2 * (boundary * num_runs + run) + 1] = length - 1.0
-                # boundary s lies in [s, count - (S - s)]: every stage before and after it holds an entry
-                if start + length - 1 < stage or start > count - (num_stages - stage):
-                    self.high[2 * (boundary * num_runs + run)] = 0.0
+        rows = _RunRows.build(layers, runs, len(ranks))
+        self.runs, self.num_stages, self.count, self.width = runs, len(ranks), len(layers), rows.width
+        table = rows.boundary_rows() + rows.stage_rows(stages, ranks) + rows.memory_rows(stages, ranks, profiles)
+        self.matrix = csr_matrix(np.array([coefficients for coefficients, _, _ in table]))
+        self.lower, self.upper = np.array([low for _, low, _ in table]), np.array([high for _, _, high in table])
+        self.low, self.high = rows.variable_bounds(runs)
 
     def solve(self, bottleneck: float | None, time_limit_s: float) -> tuple[int, ...] | None:
         """A split with every stage's time within ``bottleneck`` (None: the least bottleneck, optimised;
@@ -584,71 +656,107 @@ class _RunModel:
         return tuple(bounds + [self.count])
 
 
-def _entry_milp(*, layers, stages, ranks, profiles, time_limit_s: float) -> tuple[int, ...] | None:
-    """The per-entry formulation (see :func:`milp_split`)."""
-    count, num_stages, pp = len(layers), len(ranks), len(stages)
-    width = (num_stages - 1) * count + 1
-    rows, cols, data, lower, upper = [], [], [], [], []
+class _EntryProgram:
+    """The per-entry formulation (see :func:`milp_split`), built row by row as sparse triplets.
 
-    def variable(stage: int, entry: int) -> int:
-        return (stage - 1) * count + entry
+    Columns: ``z[s, l]`` for s = 1..S-1 and every entry l, then the bottleneck T last.
+    """
 
-    def add(coefficients: dict[int, float], low: float, high: float) -> None:
-        row = len(lower)
+    def __init__(self, *, count: int, num_stages: int):
+        self.count, self.num_stages = count, num_stages
+        self.width = (num_stages - 1) * count + 1
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.data: list[float] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+
+    def variable(self, stage: int, entry: int) -> int:
+        """The column of ``z[stage, entry]``."""
+        return (stage - 1) * self.count + entry
+
+    def add(self, coefficients: dict[int, float], low: float, high: float) -> None:
+        """Appends the row ``low <= sum_col coefficients[col] x[col] <= high``."""
+        row = len(self.lower)
         for col, value in coefficients.items():
-            rows.append(row)
-            cols.append(col)
-            data.append(value)
-        lower.append(low)
-        upper.append(high)
+            self.rows.append(row)
+            self.cols.append(col)
+            self.data.append(value)
+        self.lower.append(low)
+        self.upper.append(high)
 
-    def stage_sum(stage: int, values: Sequence[float]) -> tuple[dict[int, float], float]:
+    def stage_sum(self, stage: int, values: Sequence[float]) -> tuple[dict[int, float], float]:
         """The stage's sum of ``values`` as coefficients on z, and its constant (z[0] = 1)."""
+        variable = self.variable
         coefficients: dict[int, float] = {}
         for entry, value in enumerate(values):
             if stage >= 1:
                 coefficients[variable(stage, entry)] = coefficients.get(variable(stage, entry), 0.0) + value
-            if stage + 1 <= num_stages - 1:
+            if stage + 1 <= self.num_stages - 1:
                 coefficients[variable(stage + 1, entry)] = coefficients.get(variable(stage + 1, entry), 0.0) - value
         return coefficients, (math.fsum(values) if stage == 0 else 0.0)
 
-    for stage in range(1, num_stages):
-        for entry in range(count - 1):
-            add({variable(stage, entry): 1.0, variable(stage, entry + 1): -1.0}, -np.inf, 0.0)
-        if stage + 1 <= num_stages - 1:
-            for entry in range(count):
-                add({variable(stage + 1, entry): 1.0, variable(stage, entry): -1.0}, -np.inf, 0.0)
-    ones = [1.0] * count
-    times = [layer.fwd_ms + layer.bwd_ms for layer in layers]
-    for stage in range(num_stages):
-        coefficients, constant = stage_sum(stage, ones)
-        add(coefficients, 1.0 - constant, np.inf)
-        scale = stages[ranks[stage]].time_scale
-        coefficients, constant = stage_sum(stage, [scale * t for t in times])
-        coefficients[width - 1] = -1.0
-        add(coefficients, -np.inf, -constant)
-    for rank, owned in enumerate(rank_stages(ranks, pp)):
-        for vector in profiles[rank]:
-            total: dict[int, float] = {}
-            constant = 0.0
-            for n, stage in zip(vector, owned):
-                coefficients, part = stage_sum(stage, [layer.static_bytes + n * layer.act_bytes for layer in layers])
-                constant += part
-                for col, value in coefficients.items():
-                    total[col] = total.get(col, 0.0) + value
-            add(total, -np.inf, stages[rank].memory_bytes - constant)
-    low, high = np.zeros(width), np.ones(width)
-    high[-1] = np.inf
-    for stage in range(1, num_stages):
-        high[variable(stage, 0)] = 0.0  # the first entry is in stage 0
-    low[variable(num_stages - 1, count - 1)] = 1.0  # the last entry is in the last stage
-    integrality = np.ones(width)
-    integrality[-1] = 0
-    cost = np.zeros(width)
-    cost[-1] = 1.0
-    x = _solve_milp(cost, rows, cols, data, lower, upper, low, high, integrality, time_limit_s)
-    if x is None:
-        return None
-    z = np.round(x[:-1]).reshape(num_stages - 1, count)
-    bounds = [0] + [int(count - z[stage - 1].sum()) for stage in range(1, num_stages)] + [count]
-    return tuple(bounds)
+    def add_monotone_rows(self) -> None:
+        """Adds the rows that make z monotone in the entry and in the stage."""
+        count, num_stages, variable = self.count, self.num_stages, self.variable
+        for stage in range(1, num_stages):
+            for entry in range(count - 1):
+                self.add({variable(stage, entry): 1.0, variable(stage, entry + 1): -1.0}, -np.inf, 0.0)
+            if stage + 1 <= num_stages - 1:
+                for entry in range(count):
+                    self.add({variable(stage + 1, entry): 1.0, variable(stage, entry): -1.0}, -np.inf, 0.0)
+
+    def add_stage_rows(self, layers, stages, ranks) -> None:
+        """Adds the rows that keep every stage non-empty and its time on its rank's GPU within T."""
+        ones = [1.0] * self.count
+        times = [layer.fwd_ms + layer.bwd_ms for layer in layers]
+        for stage in range(self.num_stages):
+            coefficients, constant = self.stage_sum(stage, ones)
+            self.add(coefficients, 1.0 - constant, np.inf)
+            scale = stages[ranks[stage]].time_scale
+            coefficients, constant = self.stage_sum(stage, [scale * t for t in times])
+            coefficients[self.width - 1] = -1.0
+            self.add(coefficients, -np.inf, -constant)
+
+    def add_memory_rows(self, layers, stages, ranks, profiles) -> None:
+        """Adds the rows that keep every rank's coupled memory within its bytes at every profile vector."""
+        for rank, owned in enumerate(rank_stages(ranks, len(stages))):
+            for vector in profiles[rank]:
+                total: dict[int, float] = {}
+                constant = 0.0
+                for n, stage in zip(vector, owned):
+                    coefficients, part = self.stage_sum(
+                        stage, [layer.static_bytes + n * layer.act_bytes for layer in layers])
+                    constant += part
+                    for col, value in coefficients.items():
+                        total[col] = total.get(col, 0.0) + value
+                self.add(total, -np.inf, stages[rank].memory_bytes - constant)
+
+    def solve(self, time_limit_s: float) -> tuple[int, ...] | None:
+        """The least-bottleneck split's boundaries, or None when the rows are proven infeasible."""
+        count, num_stages, width = self.count, self.num_stages, self.width
+        low, high = np.zeros(width), np.ones(width)
+        high[-1] = np.inf
+        for stage in range(1, num_stages):
+            high[self.variable(stage, 0)] = 0.0  # the first entry is in stage 0
+        low[self.variable(num_stages - 1, count - 1)] = 1.0  # the last entry is in the last stage
+        integrality = np.ones(width)
+        integrality[-1] = 0
+        cost = np.zeros(width)
+        cost[-1] = 1.0
+        x = _solve_milp(cost, self.rows, self.cols, self.data, self.lower, self.upper, low, high, integrality,
+                        time_limit_s)
+        if x is None:
+            return None
+        z = np.round(x[:-1]).reshape(num_stages - 1, count)
+        bounds = [0] + [int(count - z[stage - 1].sum()) for stage in range(1, num_stages)] + [count]
+        return tuple(bounds)
+
+
+def _entry_milp(*, layers, stages, ranks, profiles, time_limit_s: float) -> tuple[int, ...] | None:
+    """The per-entry formulation (see :func:`milp_split`)."""
+    program = _EntryProgram(count=len(layers), num_stages=len(ranks))
+    program.add_monotone_rows()
+    program.add_stage_rows(layers, stages, ranks)
+    program.add_memory_rows(layers, stages, ranks, profiles)
+    return program.solve(time_limit_s)
