@@ -47,7 +47,9 @@ class SearchOptions:
     max_pipeline_model_parallel_size: int | None = None
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes tried when train.micro_batch_size is null."""
-    max_virtual_pipeline_model_parallel_size: int = 4
+    max_virtual_pipeline_model_parallel_size: int | None = None
+    """Most model chunks per pipeline rank searched; None: every VP Megatron allows (one decoder layer per
+    chunk, the embedding and the loss in chunks of their own)."""
     per_stage_recompute: bool = False
     """Also try, per layout with one chunk per rank, a recompute setting per pipeline rank (AdaPipe)."""
     what_if_schedules: bool = False

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from megapipe.emit import BridgeKeys, Emitted, emit, launch_script, node_rank_lines
+from megapipe.emit import BridgeKeys, Emitted, emit, launch_script, node_rank_lines, slurm_script
 from megapipe.errors import ConfigError
 from megapipe.files import atomic_write_text, dump_yaml, make_executable, read_yaml
 from megapipe.placement import default_gpus, gpus_by_name, node_gpus, node_ranges
@@ -25,7 +25,7 @@ from megapipe.profile.format import save_profile
 from megapipe.records import ClusterSpec, GpuSpec, ModelSpec, ParallelSpec, Partition, Profile, TrainSpec
 from megapipe.schedules import megatron_warnings
 
-__all__ = ["PLAN_FILE", "PLAN_TEXT_FILES", "LAUNCH_FILE", "NODE_RANKS_FILE", "Emission", "plan_emission",
+__all__ = ["PLAN_FILE", "PLAN_TEXT_FILES", "LAUNCH_FILE", "SLURM_FILE", "NODE_RANKS_FILE", "Emission", "plan_emission",
            "WrittenPlan", "write_plan", "checked_plan_document", "read_plan"]
 
 PLAN_FILE = "plan.yaml"
@@ -35,6 +35,7 @@ PLAN_TEXT_FILES = (("megatron_args.txt", "megatron_command"), ("bridge_overrides
 """The plan dir's argument files and the :class:`~megapipe.emit.Emitted` line each holds: one shell-quoted
 line, to paste after the command or to use as ``eval "torchrun ... pretrain_gpt.py $(cat megatron_args.txt)"``."""
 LAUNCH_FILE = "launch_megatron.sh"
+SLURM_FILE = "launch_slurm.sbatch"
 NODE_RANKS_FILE = "node_ranks.txt"
 
 
@@ -50,6 +51,8 @@ class Emission:
     """Why there are no arguments: what megatron-core would run instead."""
     launch: str = ""
     """launch_megatron.sh."""
+    slurm: str = ""
+    """launch_slurm.sbatch."""
     nodes: tuple[str, ...] = ()
     """The GPU type of each node rank on a mixed cluster; empty otherwise."""
 
@@ -69,10 +72,12 @@ def plan_emission(*, partition: Partition, parallel: ParallelSpec, train: TrainS
     emitted = emit(partition=partition, parallel=parallel, train=train, model=model, gpus=gpus,
                    bridge_keys=BridgeKeys(bridge_keys), domain_gpus=cluster.domain_gpus,
                    gpus_per_node=cluster.gpus_per_node)
+    ranges, title = node_ranges(nodes) if nodes else "", title or f"megapipe plan of {model.name} on {cluster.name}"
     launch = launch_script(emitted, gpus_per_node=cluster.gpus_per_node, num_nodes=cluster.num_nodes,
-                           vocab_size=model.vocab_size, node_ranges=node_ranges(nodes) if nodes else "",
-                           title=title or f"megapipe plan of {model.name} on {cluster.name}")
-    return Emission(gpus=gpus, emitted=emitted, launch=launch, nodes=nodes)
+                           vocab_size=model.vocab_size, node_ranges=ranges, title=title)
+    slurm = slurm_script(emitted, gpus_per_node=cluster.gpus_per_node, num_nodes=cluster.num_nodes,
+                         vocab_size=model.vocab_size, job_name=f"megapipe-{model.name}", node_ranges=ranges, title=title)
+    return Emission(gpus=gpus, emitted=emitted, launch=launch, slurm=slurm, nodes=nodes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,7 +91,7 @@ class WrittenPlan:
 def write_plan(directory: str, *, result: SearchResult, model: ModelSpec, cluster: ClusterSpec, inputs: Mapping,
                bridge_keys: str = "flat", title: str = "", extra: Mapping | None = None) -> WrittenPlan:
     """The best plan of ``result`` emitted, documented and written: plan.yaml, and for a plan megatron-core
-    runs its argument files, launch script and (mixed clusters) the node ranks' GPU types, and profile.yaml
+    runs its argument files, launch scripts (torchrun per node, and a Slurm batch script) and (mixed clusters) the node ranks' GPU types, and profile.yaml
     when the plan was costed with a measured profile; each atomically."""
     best = result.best
     emission = plan_emission(partition=best.partition, parallel=best.parallel, train=best.train, model=model,
@@ -112,6 +117,8 @@ def _write_files(directory: str, *, document: dict, emission: Emission, profile:
         written.append(os.path.join(directory, LAUNCH_FILE))
         atomic_write_text(written[-1], emission.launch)
         make_executable(written[-1])
+        written.append(os.path.join(directory, SLURM_FILE))
+        atomic_write_text(written[-1], emission.slurm)
     if emission.nodes:
         written.append(os.path.join(directory, NODE_RANKS_FILE))
         atomic_write_text(written[-1], node_rank_lines(emission.nodes))

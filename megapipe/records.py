@@ -484,6 +484,10 @@ class TrainSpec:
     """With fp8: delayed, tensorwise, mxfp8 or blockwise (Megatron's ``--fp8-recipe``); empty otherwise."""
     fp8_param_gather: bool = False
     """With fp8: keep the GEMM weights in FP8 and all-gather them so (``--fp8-param-gather``)."""
+    grad_reduce_in_fp32: bool = True
+    """Main gradients accumulated and reduced in fp32 (Megatron's default); false keeps them in the
+    parameters' bf16, 2 bytes less per parameter (``--grad-reduce-in-bf16``; Megatron-Bridge's performance
+    recipes set ``ddp.grad_reduce_in_fp32=False``)."""
     moe_load_imbalance: float | None = None
     """The routing assumption: the busiest expert-parallel rank receives this many times the mean tokens
     (1.0 = balanced). None means dropless aux-loss routing's typical imbalance, the runtime's

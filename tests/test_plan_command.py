@@ -12,7 +12,7 @@ from megapipe.cli import main
 
 TINY = ["model=tiny_gpt", "cluster=cpu_gloo", "train.global_batch_size=8"]
 FILES = ("plan.yaml", "megatron_args.txt", "bridge_overrides.txt", "nemo2_overrides.txt", "nemo1_overrides.txt",
-         "launch_megatron.sh", "profile.yaml", "gantt.png", "memory.png")
+         "launch_megatron.sh", "launch_slurm.sbatch", "profile.yaml", "gantt.png", "memory.png")
 
 
 def test_plan_json_and_plan_dir(tmp_path, capsys):
@@ -40,6 +40,38 @@ def test_plan_json_and_plan_dir(tmp_path, capsys):
     assert summary["plan_dir"] == str(out) and str(out / "megatron_args.txt") in summary["files"]
     assert summary["seq_length_source"].endswith("default seq_length")
     assert summary["launch"].endswith(summary["emitted"]["megatron_command"])
+
+
+def _stub(directory, name: str, body: str) -> None:
+    path = directory / name
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+
+
+def test_launch_scripts_run_torchrun_with_the_plan(tmp_path, capsys):
+    """Both launch scripts pass bash -n and, with torchrun, srun and scontrol stubbed, start torchrun with the node
+    rank, the rendezvous, pretrain_gpt.py, every planned argument and the user's flags, in that order."""
+    import subprocess
+
+    out, stubs = tmp_path / "plan", tmp_path / "bin"
+    stubs.mkdir()
+    assert main(["plan", *TINY, f"output.dir={out}", "output.pictures=false"]) == 0
+    capsys.readouterr()
+    _stub(stubs, "torchrun", 'printf "%s\\n" "$CUDA_DEVICE_MAX_CONNECTIONS" "$@"\n')
+    _stub(stubs, "scontrol", 'printf "node-a\\nnode-b\\n"\n')
+    _stub(stubs, "srun", 'while [[ "$1" == --* ]]; do shift; done; exec "$@"\n')
+    planned = shlex.split((out / "megatron_args.txt").read_text())
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "MEGATRON_LM": "/m", "NODE_RANK": "0",
+           "MASTER_ADDR": "node-a", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node-[a-b]"}
+    slurm = (out / "launch_slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=1" in slurm and "#SBATCH --gpus-per-node=2" in slurm  # cpu_gloo: 1 node of 2
+    for name in ("launch_megatron.sh", "launch_slurm.sbatch"):
+        subprocess.run(["bash", "-n", str(out / name)], check=True)
+        run = subprocess.run(["bash", str(out / name), "--mock-data"], env=env, capture_output=True, text=True,
+                             check=True)
+        lines = run.stdout.splitlines()
+        assert lines[1:] == ["--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0", "--master-addr", "node-a",
+                             "--master-port", "6000", "/m/pretrain_gpt.py", *planned, "--mock-data"], name
 
 
 def test_plan_yaml_is_byte_identical(tmp_path, capsys):

@@ -2,7 +2,9 @@
 
 The files were rewritten when the planner began to rank only the schedules megatron-core runs by
 default (issue: what megapipe emits is what Megatron runs), and the reference row moved to the
-write-ups' experiment; the ``what_if`` scenario keeps every schedule's ranking covered.
+write-ups' experiment; the ``what_if`` scenario keeps every schedule's ranking covered. They were rewritten
+again when the search began to try every VP Megatron allows (one decoder layer per chunk; before, VP stopped at
+4): with ``search.max_virtual_pipeline_model_parallel_size=4`` the plans are the old ones.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megapipe.layout import max_stages
 from megapipe.errors import ConfigError
 from megapipe.plan.money import cost_per_million_tokens, gpu_hours, training_cost
 from megapipe.plan.rank import rank_plans
@@ -120,7 +121,7 @@ def test_space_property_divisibility(num_nodes, gpus_per_node):
         par = cand.parallel
         assert par.world_size == num_nodes * gpus_per_node
         assert 4 % par.tensor_model_parallel_size == 0
-        assert par.pipeline_model_parallel_size * par.virtual_pipeline_model_parallel_size <= 12
+        assert par.pipeline_model_parallel_size * par.virtual_pipeline_model_parallel_size <= max_stages(12)  # E|t*12|L
         assert 64 % (cand.train.micro_batch_size * par.data_parallel_size) == 0
     assert space.enumerated == len(space.candidates) + sum(space.pruned.values())
 

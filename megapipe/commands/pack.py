@@ -160,5 +160,5 @@ def _print(result, cluster, directory: str) -> None:
                       f"TP{option.plan.parallel.tensor_model_parallel_size} "
                       f"PP{option.plan.parallel.pipeline_model_parallel_size}, {option.tokens_per_s:,.0f} tok/s")
     out.print(f"decided in {result.seconds:.1f} s ({result.searches} planner searches in all); files in {directory}: "
-              "pack.yaml, cluster.png, jobs/<name>/ (plan.yaml, megatron_args.txt, launch_megatron.sh, "
+              "pack.yaml, cluster.png, jobs/<name>/ (plan.yaml, megatron_args.txt, launch_megatron.sh, launch_slurm.sbatch, "
               "bridge_overrides.txt, nemo2_overrides.txt, nemo1_overrides.txt)")

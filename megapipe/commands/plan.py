@@ -203,6 +203,42 @@ def print_plans(result: SearchResult, *, scenario: Scenario, reference: Referenc
                 directory: str, files: tuple[str, ...] = (), nodes: tuple[str, ...] = ()) -> None:
     """The ranked plans, the equal split and the reference (``search.reference``) in one table; then what to run
     and where the files are."""
+    out = console()
+    out.print(_plans_table(result, scenario=scenario, reference=reference))
+    _print_notes(out, result, scenario=scenario, emitted=emitted, nodes=nodes)
+    best = result.best
+    if result.baseline is not None:
+        gain = best.tokens_per_s / result.baseline.tokens_per_s - 1
+        fits = "" if result.baseline.feasible else (
+            f" (the equal split does not fit memory: {result.baseline.memory_over_gib:.1f} GiB over on its fullest "
+            "stage, so it could not run as shown)")
+        out.print(f"gain over equal split: {gain:+.1%}{fits}")
+    if result.reference is not None and reference is not None:
+        out.print(compare_line(best, result.reference, reference), markup=False)
+    _print_files(out, best, cluster=scenario.cluster, emitted=emitted, directory=directory, files=files)
+    stats = result.stats
+    out.print(f"searched {stats.enumerated:,} candidates{_virtual_searched(stats)}, simulated {stats.simulated}, "
+              f"pruned {_pruned(stats)} in {stats.seconds:.2f} s")
+
+
+def _virtual_searched(stats) -> str:
+    """The VP values the search tried, as ranges (``VP 1-41``), or nothing when it tried none beyond 1."""
+    values = getattr(stats, "virtual_sizes", ())
+    if not values or tuple(values) == (1,):
+        return ""
+    runs, first, last = [], values[0], values[0]
+    for value in values[1:]:
+        if value == last + 1:
+            last = value
+            continue
+        runs.append(f"{first}-{last}" if last > first else f"{first}")
+        first = last = value
+    runs.append(f"{first}-{last}" if last > first else f"{first}")
+    return f" (VP {', '.join(runs)})"
+
+
+def _plans_table(result: SearchResult, *, scenario: Scenario, reference: Reference | None):
+    """The ranked plans, the run's plan when megatron-core cannot run the first, the equal split and the reference."""
     from rich.table import Table
 
     train, model, cluster = scenario.train, scenario.model, scenario.cluster
@@ -217,8 +253,8 @@ def print_plans(result: SearchResult, *, scenario: Scenario, reference: Referenc
     columns = ["", "TP/PP/DP/CP/VP" + (" EP ETP" if moe else ""), "schedule", "mbs", "recompute"]
     interval = result.best.step_time_interval
     step = "step s" + (f"\n{interval[0]:+.0%}/{interval[1]:+.0%}" if interval else "")
-    columns += (["MoE runtime"] if moe else []) + [step, "tok/s/GPU", "MFU", "bubble", "peak GiB",
-                                                    "$/1M tok"]
+    columns += (["MoE runtime"] if moe else []) + [step, "tok/s/GPU", "MFU" + ("¹" if train.precision == "fp8" else ""),
+                                                    "pipeline\nbubble²", "peak GiB", "$/1M tok"]
     for name in columns:
         table.add_column(name, overflow="fold")
     best = result.best
@@ -230,14 +266,23 @@ def print_plans(result: SearchResult, *, scenario: Scenario, reference: Referenc
         table.add_row(*row("equal split", result.baseline))
     if result.reference is not None and reference is not None:
         table.add_row(*row(reference.label, result.reference))
-    out = console()
-    out.print(table)
+    return table
+
+
+def _print_notes(out, result: SearchResult, *, scenario: Scenario, emitted, nodes: tuple[str, ...]) -> None:
+    """The table's footnotes, the layout, where the step goes, the MoE assumptions and every warning."""
+    best, cluster = result.best, scenario.cluster
     shown = [*result.plans, result.baseline, result.reference]
     if any(plan is not None and not plan.feasible for plan in shown):
         out.print("! does not fit memory: shown to compare, not to run", markup=False)
     if best is not result.plans[0]:
         out.print("* the plan to run: the best one megatron-core runs; the what-if plans above it use schedules it "
                   "does not have", markup=False)
+    if scenario.train.precision == "fp8":
+        out.print("¹ MFU: model FLOPs over the GPUs' dense BF16 peak, for FP8 plans too",
+                  markup=False)
+    out.print("² pipeline bubble: the share of the pipeline's time its ranks sit idle (fill, drain, uneven stages); "
+              "the step line's bubble is that idle time as a share of the whole step", markup=False)
     out.print(f"layout: {best.layout}", markup=False)
     if best.breakdown:
         out.print(f"step {format_interval(best.step_time_s, best.step_time_interval)}: {breakdown_line(best)}",
@@ -245,30 +290,23 @@ def print_plans(result: SearchResult, *, scenario: Scenario, reference: Referenc
     if best.step_time_interval:
         out.print("(the step's range: where 80% of published runs of its kind fell, held out by source, against "
                   "their prediction; docs/validation.md)", markup=False)
-    if moe:
+    if scenario.model.is_moe:
         out.print(moe_assumptions(best, cluster.runtime), markup=False, soft_wrap=True)
     for warning in (*best.warnings, *(emitted.warnings if emitted else ())):
         out.print(f"warning: {warning}", markup=False)
     if nodes:
         out.print(f"node ranks and their GPU type (start node rank n on such a node): {node_ranges(nodes)}",
                   markup=False)
-    if result.baseline is not None:
-        gain = best.tokens_per_s / result.baseline.tokens_per_s - 1
-        fits = "" if result.baseline.feasible else (
-            f" (the equal split does not fit memory: {result.baseline.memory_over_gib:.1f} GiB over on its fullest "
-            "stage, so it could not run as shown)")
-        out.print(f"gain over equal split: {gain:+.1%}{fits}")
-    if result.reference is not None and reference is not None:
-        out.print(compare_line(best, result.reference, reference), markup=False)
+
+
+def _print_files(out, best, *, cluster, emitted, directory: str, files: tuple[str, ...]) -> None:
+    """The Megatron-LM command and the plan directory's files, or why none were written."""
     if emitted is None:
         out.print(f"what-if: megatron-core cannot run {best.schedule}, so no Megatron arguments were written; plan "
                   "with schedule=1f1b or interleaved_1f1b for a plan to run", markup=False)
-    else:
-        out.print(f"Megatron-LM: {_launch_line(cluster, emitted)}", markup=False, soft_wrap=True)
-        names = ", ".join(os.path.basename(path) for path in files)
-        out.print(f"files in {directory}: {names} (Megatron-Bridge overrides use "
-                  f"{'flat model.* keys (0.6.x)' if emitted.bridge_keys == BridgeKeys.flat else 'model.transformer.* keys (Bridge main)'}"
-                  "; add data, tokenizer and schedule flags)", markup=False, soft_wrap=True)
-    stats = result.stats
-    out.print(f"searched {stats.enumerated:,} candidates, simulated {stats.simulated}, pruned {_pruned(stats)} in "
-              f"{stats.seconds:.2f} s")
+        return
+    out.print(f"Megatron-LM: {_launch_line(cluster, emitted)}", markup=False, soft_wrap=True)
+    names = ", ".join(os.path.basename(path) for path in files)
+    out.print(f"files in {directory}: {names} (Megatron-Bridge overrides use "
+              f"{'flat model.* keys (0.6.x)' if emitted.bridge_keys == BridgeKeys.flat else 'model.transformer.* keys (Bridge main)'}"
+              "; add data, tokenizer and schedule flags)", markup=False, soft_wrap=True)

@@ -47,6 +47,8 @@ from megapipe.validation.ranking import (
 from megapipe.validation.predict import resolve
 from megapipe.validation.report import (
     Row,
+    fits_line,
+    fits_text,
     loso_intervals,
     markdown_table,
     row_dict,
@@ -225,19 +227,20 @@ def _print(rows, summaries, *, in_use: RuntimeSpec, fitted: RuntimeSpec, directo
 
     out = console(soft_wrap=True)
     table = Table(title="predicted against measured step time")
-    for column in ("run", "GPUs", "prec", "measured s", "predicted s", "error", "LOSO", "LOO", "uncalibrated",
+    for column in ("run", "GPUs", "prec", "fits", "measured s", "predicted s", "error", "LOSO", "LOO", "uncalibrated",
                    "largest parts"):
         table.add_column(column, justify="left" if column in ("run", "largest parts") else "right")
     for row in rows:
         run = row.resolved.run
         parts = sorted(row.breakdown, key=lambda item: -item[1])[:3]
         total = sum(ms for _, ms in row.breakdown) or 1.0
-        table.add_row(run.id, f"{run.num_gpus:,} {run.cluster}", run.precision, f"{row.measured_s:.3g}",
+        table.add_row(run.id, f"{run.num_gpus:,} {run.cluster}", run.precision, fits_text(row), f"{row.measured_s:.3g}",
                       f"{row.predicted_s:.3g}", f"{row.error:+.1%}",
                       "" if row.loso_error is None else f"{row.loso_error:+.1%}",
                       "" if row.loo_error is None else f"{row.loo_error:+.1%}", f"{row.uncalibrated_error:+.1%}",
                       ", ".join(f"{name} {ms / total:.0%}" for name, ms in parts))
     out.print(table)
+    out.print(fits_line(rows), markup=False)
     for item in summaries:
         loso = "" if item.mean_abs_loso_error is None else (
             f"leave-one-source-out |error| mean {item.mean_abs_loso_error:.1%} max {item.max_abs_loso_error:.1%}; ")

@@ -496,6 +496,9 @@ def to_scenario(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, obj
     if search:
         if given.get("schedule") == "all":
             del given["schedule"]
+        if cfg.train.num_microbatches is not None:  # Megatron derives it; the search keeps the candidates giving it
+            given["num_microbatches"] = positive_int("train.num_microbatches", cfg.train.num_microbatches,
+                                                     upper=MAX_SIZE)
         values = {**_SEARCH_PLACEHOLDER, **given}
     else:
         values = _fill(given, cluster, fill)
@@ -536,6 +539,7 @@ def to_scenario(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, obj
         precision=_precision(cfg.train.precision),
         **_fp8_fields(cfg, _precision(cfg.train.precision), cluster, parallel),
         moe_load_imbalance=_imbalance(cfg.train.get("moe_load_imbalance"), cluster.runtime),
+        grad_reduce_in_fp32=bool(cfg.train.get("grad_reduce_in_fp32", True)),
     )
     for index, group in enumerate(cluster.node_groups):
         check_precision(train, group.gpu, where=f"cluster.node_groups[{index}].gpu" if cluster.is_heterogeneous

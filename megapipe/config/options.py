@@ -39,6 +39,7 @@ def search_options(cfg: DictConfig) -> SearchOptions:
     """``search.*`` (and train.total_tokens) as a SearchOptions record."""
     node = _group(cfg, "search")
     limit = node.get("max_pipeline_model_parallel_size")
+    vp_limit = node.get("max_virtual_pipeline_model_parallel_size")
     target, warn = _pair(node, "bubble_target"), _pair(node, "bubble_warning_range")
     check_fraction_pair("search.bubble_target", target)
     check_fraction_pair("search.bubble_warning_range", warn)
@@ -50,6 +51,8 @@ def search_options(cfg: DictConfig) -> SearchOptions:
         ignore_memory_limit=bool(node.get("ignore_memory_limit")),
         max_pipeline_model_parallel_size=None if limit is None else positive_int(
             "search.max_pipeline_model_parallel_size", limit),
+        max_virtual_pipeline_model_parallel_size=None if vp_limit is None else positive_int(
+            "search.max_virtual_pipeline_model_parallel_size", vp_limit),
         per_stage_recompute=bool(node.get("per_stage_recompute")),
         what_if_schedules=bool(node.get("what_if_schedules")),
         total_tokens=float(_group(cfg, "train").get("total_tokens") or 2e12),

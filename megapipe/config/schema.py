@@ -222,6 +222,8 @@ class SearchConfig:
     ignore_memory_limit: bool = False
     top_k: int = 5
     max_pipeline_model_parallel_size: Optional[int] = None
+    max_virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Most model chunks per pipeline rank searched; null: every VP Megatron allows (one decoder layer a chunk)."""
     per_stage_recompute: bool = False
     """Also search per-stage recompute (AdaPipe): each pipeline rank picks none/selective/full with the split."""
     what_if_schedules: bool = False

@@ -141,7 +141,8 @@ def active_parameter_count(model: ModelSpec, *, embedding: bool = True, output: 
     return int(round(total - tables * shapes.vocab_size * shapes.hidden_size))
 
 
-def bytes_per_parameter(*, precision: str, parallel: ParallelSpec, expert: bool = False) -> float:
+def bytes_per_parameter(*, precision: str, parallel: ParallelSpec, expert: bool = False,
+                        grad_reduce_in_fp32: bool = True) -> float:
     """Weights + main grads + fp32 master weights + Adam m, v per parameter, as Megatron allocates them.
 
     Megatron-LM ``docs/source/api-guide/dist_optimizer.md`` (d = data-parallel shards):
@@ -158,10 +159,17 @@ def bytes_per_parameter(*, precision: str, parallel: ParallelSpec, expert: bool 
     parallelism (``intra_dp_cp`` in ``megatron/core/distributed``), so d = dp * cp; routed-expert
     parameters (``expert=True``) get their own optimizer over the expert data-parallel group
     (megatron-core ``optimizer/__init__.py``: ``intra_expt_dp_group``), so d = EDP = world / (ETP EP PP).
+
+    ``grad_reduce_in_fp32=False`` (bf16 and fp8 only) keeps the main gradients in the parameters' dtype:
+    megatron-core's ``DistributedDataParallel`` sizes each grad buffer ``torch.float if
+    ddp_config.grad_reduce_in_fp32 else param.dtype``, so 2 bytes instead of 4 (the fp32 master weights
+    and moments stay).
     """
     element_bytes(precision)  # validates the name
     # fp8 training keeps bf16 weights and fp32 main grads; its FP8 weight copies are unit_static_bytes'.
     replicated, sharded = {"bf16": (6.0, 12.0), "fp8": (6.0, 12.0), "fp16": (4.0, 16.0), "fp32": (8.0, 8.0)}[precision]
+    if not grad_reduce_in_fp32 and precision in ("bf16", "fp8"):
+        replicated -= 2.0
     if not parallel.use_distributed_optimizer:
         return replicated + sharded
     shards = (parallel.expert_data_parallel_size if expert
@@ -185,7 +193,9 @@ def unit_static_bytes(*, kind: LayerKind, params: float, shapes: Shapes, paralle
     ``params`` includes the unit's routed-expert parameters ``expert_params``, whose optimizer state
     shards over expert data parallelism instead.
     """
-    dense = bytes_per_parameter(precision=train.precision, parallel=parallel)
-    expert = bytes_per_parameter(precision=train.precision, parallel=parallel, expert=True) if expert_params else 0.0
+    grads = train.grad_reduce_in_fp32
+    dense = bytes_per_parameter(precision=train.precision, parallel=parallel, grad_reduce_in_fp32=grads)
+    expert = (bytes_per_parameter(precision=train.precision, parallel=parallel, expert=True, grad_reduce_in_fp32=grads)
+              if expert_params else 0.0)
     return ((params - expert_params) * dense + expert_params * expert
             + fp8_weights(shapes, kind, moe=expert_params > 0) * fp8_weight_copy_bytes(train))

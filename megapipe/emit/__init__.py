@@ -4,7 +4,7 @@ Pure: records in, strings out; no torch, no I/O. ``emit`` is the entry point.
 """
 
 from megapipe.emit.emitted import Emitted, emit
-from megapipe.emit.launch import launch_line, launch_script, node_rank_lines
+from megapipe.emit.launch import launch_line, launch_script, node_rank_lines, slurm_script
 from megapipe.emit.megatron import megatron_args, megatron_env, recompute_settings
 from megapipe.emit.overrides import BridgeKeys, bridge_settings, nemo1_settings, nemo2_settings, to_overrides
 from megapipe.emit.quoting import format_override, format_value, shell_join, shell_quote
@@ -23,6 +23,7 @@ __all__ = [
     "emit",
     "launch_line",
     "launch_script",
+    "slurm_script",
     "megatron_env",
     "node_rank_lines",
     "megatron_args",

@@ -15,6 +15,13 @@ One home for the names (checked in the public sources, docs/emit.md):
 - NeMo 2: ``trainer.plugins`` (MegatronMixedPrecision) ``fp8``, ``fp8_recipe``, ``fp8_param_gather``.
 - NeMo 1: ``model.fp8``, ``model.fp8_hybrid``, ``model.fp8_params`` (delayed scaling only) and
   ``model.ub_tp_comm_overlap``.
+
+bf16 main gradients (``train.grad_reduce_in_fp32=false``): Megatron-LM ``--grad-reduce-in-bf16``
+(``validate_args`` then clears ``accumulate_allreduce_grads_in_fp32``, which becomes the DDP config's
+``grad_reduce_in_fp32``; core_v0.16.1 to main); NeMo 2 ``trainer.plugins.grad_reduce_in_fp32`` (MegatronMixedPrecision);
+NeMo 1 ``model.optim.grad_sync_dtype=bf16`` (distributed_fused_adam). Megatron-Bridge's mixed-precision recipe writes
+its own ``grad_reduce_in_fp32`` over ``ddp.grad_reduce_in_fp32`` (``MixedPrecisionConfig.setup``), so an override
+cannot set it: a warning names the recipe change, as its performance recipes make it.
 """
 
 from __future__ import annotations
@@ -51,9 +58,16 @@ def megatron_precision_args(train: TrainSpec, parallel: ParallelSpec) -> list[st
         args += ["--fp8-format", _format(train), "--fp8-recipe", train.fp8_recipe]
         if train.fp8_param_gather:
             args.append("--fp8-param-gather")
+    if bf16_grads(train):
+        args.append("--grad-reduce-in-bf16")
     if tp_overlap_on(parallel):
         args.append("--tp-comm-overlap")
     return args
+
+
+def bf16_grads(train: TrainSpec) -> bool:
+    """Whether the plan keeps bf16 main gradients (only bf16 and fp8 training has them)."""
+    return not train.grad_reduce_in_fp32 and train.precision in ("bf16", "fp8")
 
 
 def bridge_precision(train: TrainSpec, parallel: ParallelSpec) -> tuple[dict[str, object], list[str]]:
@@ -71,6 +85,10 @@ def bridge_precision(train: TrainSpec, parallel: ParallelSpec) -> tuple[dict[str
         if train.fp8_recipe == "tensorwise":
             warnings.append(f"Megatron-Bridge's {recipe} keeps the first and last decoder layers in bf16; the plan "
                             "runs every layer in FP8 (those two layers take a little longer)")
+    if bf16_grads(train):
+        warnings.append("Megatron-Bridge's mixed_precision recipe sets grad_reduce_in_fp32=True over ddp.*; for the "
+                        "plan's bf16 main gradients set cfg.mixed_precision.grad_reduce_in_fp32 = False and "
+                        "cfg.ddp.grad_reduce_in_fp32 = False in the recipe (as its performance recipes do)")
     if tp_overlap_on(parallel):
         warnings.append("Megatron-Bridge takes TP communication overlap from the recipe's "
                         "comm_overlap=CommOverlapConfig(tp_comm_overlap=True) (its 70B and 175B recipes set one); "
@@ -83,6 +101,8 @@ def nemo2_precision(train: TrainSpec) -> dict[str, object]:
     if train.precision == "fp8":
         settings.update({"trainer.plugins.fp8": _format(train), "trainer.plugins.fp8_recipe": train.fp8_recipe,
                          "trainer.plugins.fp8_param_gather": train.fp8_param_gather})
+    if bf16_grads(train):
+        settings["trainer.plugins.grad_reduce_in_fp32"] = False
     return settings
 
 
@@ -94,6 +114,8 @@ def nemo1_precision(train: TrainSpec, parallel: ParallelSpec) -> tuple[dict[str,
         if train.fp8_recipe != "delayed":
             warnings.append(f"NeMo 1 runs FP8 with delayed scaling only; the plan's fp8_recipe={train.fp8_recipe} "
                             "cannot be expressed there")
+    if bf16_grads(train):
+        settings["model.optim.grad_sync_dtype"] = "bf16"
     if tp_overlap_on(parallel):
         settings["model.ub_tp_comm_overlap"] = True
     return settings, warnings

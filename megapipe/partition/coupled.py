@@ -121,6 +121,7 @@ class _RankProblem:
         self.room = rooms
         self.columns = list(zip(*self.rows)) if self.rows else [()] * len(self.stages)
         self._cache: dict[tuple[int, ...], list[int] | None] = {}
+        self._np: tuple[np.ndarray, np.ndarray] | None = None
 
     def _used(self, counts: Sequence[float]) -> list[float]:
         return [sum(w * c for w, c in zip(row, counts)) for row in self.rows]
@@ -142,28 +143,30 @@ class _RankProblem:
         return bound
 
     def _greedy(self, high: tuple[int, ...]) -> list[int]:
-        """Feasible counts: add decoders one at a time where they use the least of the tightest room."""
+        """Feasible counts: add decoders one at a time where they use the least of the tightest room (the stage
+        whose largest share of any row's room is smallest; the first such stage on ties)."""
         counts = list(self.low)
-        used = self._used(counts)
-        columns = self.columns
+        if not self.rows:
+            return list(high)
+        used = np.array(self._used(counts))
+        columns, limit = self._arrays()
+        top = np.asarray(high)
+        now = np.asarray(counts)
         while True:
-            best, best_cost = -1, math.inf
-            for index, top in enumerate(high):
-                if counts[index] >= top:
-                    continue
-                column = columns[index]
-                cost = 0.0
-                for weight, now, limit in zip(column, used, self.limit):
-                    if now + weight > limit:
-                        cost = math.inf
-                        break
-                    cost = max(cost, weight / max(limit - now, 1e-300))
-                if cost < best_cost:
-                    best, best_cost = index, cost
-            if best < 0:
-                return counts
-            counts[best] += 1
-            used = [now + weight for now, weight in zip(used, columns[best])]
+            after = used + columns  # (stages, rows): each stage's rows with one more decoder
+            share = (columns / np.maximum(limit - used, 1e-300)).max(axis=1)
+            share[(after > limit).any(axis=1) | (now >= top)] = math.inf
+            best = int(share.argmin())
+            if share[best] == math.inf:
+                return [int(c) for c in now]
+            now[best] += 1
+            used = after[best]
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The columns (stages x rows) and the row limits as arrays, built once."""
+        if self._np is None:
+            self._np = (np.asarray(self.columns, dtype=float), np.asarray(self.limit, dtype=float))
+        return self._np
 
     def largest(self, high: tuple[int, ...]) -> int | None:
         """The largest feasible total with d_s <= high_s, or None when even the smallest counts do not fit."""
@@ -182,17 +185,67 @@ class _RankProblem:
         else:
             found = self._greedy(high)
             if sum(found) < math.floor(self.upper(high) + 1e-9):  # the bound leaves room: settle it exactly
-                found = self._branch_and_bound(high, found) if len(high) <= _SEARCHED_CHUNKS else self._solve(high)
+                relaxed = self._relaxation(high)
+                if relaxed is None or sum(found) < math.floor(relaxed[0] + 1e-9):
+                    found = (self._branch_and_bound(high, found, relaxed) if len(high) <= _SEARCHED_CHUNKS
+                             else self._solve(high))
         self._cache[high] = found
         return found
 
-    def _branch_and_bound(self, high: tuple[int, ...], incumbent: list[int]) -> list[int]:
-        """Exact: depth-first over the stages' counts (largest first), pruned by the rows' relaxation."""
+    def _relaxation(self, high: tuple[int, ...]) -> tuple[float, list[float]] | None:
+        """The linear relaxation's optimum and its memory rows' multipliers (HiGHS's duals, >= 0), or None when
+        HiGHS gives none. The greedy counts are optimal when they reach the optimum's floor; otherwise the
+        multipliers combine the rows into the one constraint that bounds the branch and bound best."""
+        from scipy.optimize import linprog
+
+        result = linprog(-np.ones(len(high)), A_ub=np.asarray(self.rows, dtype=float),
+                         b_ub=np.asarray(self.limit, dtype=float), bounds=list(zip(self.low, high)), method="highs")
+        if result.status != 0:
+            return None
+        return -float(result.fun), [max(0.0, -float(value)) for value in result.ineqlin.marginals]
+
+    def _surrogate(self, high: tuple[int, ...], relaxed: tuple[float, list[float]] | None):
+        """Per depth, the remaining stages' combined-row costs (cheapest first, with their spare counts), and the
+        multipliers; None without a relaxation."""
+        if relaxed is None or not any(relaxed[1]):
+            return None
+        weights = relaxed[1]
+        cost = [sum(w * row[index] for w, row in zip(weights, self.rows)) for index in range(len(high))]
+        order = [sorted(((cost[s], high[s] - self.low[s]) for s in range(index, len(high)))) for index in
+                 range(len(high))]
+        low_cost = [sum(cost[s] * self.low[s] for s in range(index, len(high))) for index in range(len(high))]
+        return weights, order, low_cost
+
+    def _branch_and_bound(self, high: tuple[int, ...], incumbent: list[int],
+                          relaxed: tuple[float, list[float]] | None = None) -> list[int]:
+        """Exact: depth-first over the stages' counts (largest first), pruned by the rows' relaxation and by the
+        relaxation's combined row (a fractional knapsack over the remaining stages)."""
         size = len(high)
         columns = list(zip(*self.rows))
         cheapest = [[min(row[index:]) for row in self.rows] for index in range(size)]
         best, best_total = list(incumbent), sum(incumbent)
         chosen = [0] * size
+        surrogate = self._surrogate(high, relaxed)
+
+        def combined_room(index: int, used: list[float]) -> float:
+            """Most decoders the remaining stages take under the combined row (math.inf without one)."""
+            if surrogate is None:
+                return math.inf
+            weights, order, low_cost = surrogate
+            capacity = sum(w * (limit - now) for w, limit, now in zip(weights, self.limit, used)) - low_cost[index]
+            if capacity < -1e-9 * max(1.0, abs(capacity)):
+                return -1.0
+            room = float(sum(self.low[index:]))
+            for cost, spare in order[index]:
+                if cost <= 0:
+                    room += spare
+                    continue
+                take = min(spare, capacity / cost)
+                room += take
+                capacity -= take * cost
+                if take < spare:
+                    break
+            return room
 
         def visit(index: int, used: list[float], total: int) -> None:
             nonlocal best, best_total
@@ -206,6 +259,9 @@ class _RankProblem:
                 return
             room = min((value / cheap for value, cheap in zip(spare, cheapest[index]) if cheap > 0), default=math.inf)
             if total + min(sum(high[index:]), sum(self.low[index:]) + math.floor(room + 1e-9)) <= best_total:
+                return
+            combined = combined_room(index, used)
+            if combined < 0 or total + math.floor(combined + 1e-9) <= best_total:
                 return
             column = columns[index]
             for count in range(high[index], self.low[index] - 1, -1):

@@ -48,7 +48,8 @@ def plan_record(*, cand: Candidate, part: Partition, sim: SimResult, usages: tup
     warnings = plan_warnings(parallel=par, train=train, cluster=cluster, bubble_fraction=sim.bubble_fraction,
                              num_microbatches=cand.num_microbatches,
                              bubble_warning_range=options.bubble_warning_range, memory_over_gib=over_gib,
-                             dispatcher_bytes=dispatcher_bytes)
+                             dispatcher_bytes=dispatcher_bytes,
+                             bubble_goal=options.bubble_target[1] if options.bubble_target else None)
     if stage_recompute:
         strongest = max(stage_recompute, key=_RECOMPUTE_ORDER.index)
         train = dataclasses.replace(train, recompute_granularity=Recompute(strongest))

@@ -78,7 +78,7 @@ def search(
     bounded = _bound_all(evaluator, space, pruned)
     plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, pruned, progress)
     if not plans:
-        raise InfeasibleError(_no_plan_message(model, cluster, train, pruned, memory_floor))
+        raise InfeasibleError(_no_plan_message(model, cluster, train, pruned, memory_floor, fixed or {}))
     ranked = rank_plans(plans, objective=options.objective, top_k=options.top_k, bubble_target=options.bubble_target)
     if options.bubble_target is not None:
         _check_bubble_target(ranked, options.bubble_target)
@@ -363,12 +363,33 @@ def _reference(evaluator: Evaluator, options: SearchOptions, train: TrainSpec, t
 
 
 def _no_plan_message(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, pruned: Counter,
-                     memory_floor: float) -> str:
+                     memory_floor: float, fixed: Mapping[str, object]) -> str:
     reasons = ", ".join(f"{reason}={count}" for reason, count in sorted(pruned.items())) or "none enumerated"
-    hint = "use more GPUs, recompute_granularity=full, or a smaller micro_batch_size"
+    hint = _no_plan_hint(cluster, train, pruned, fixed)
     if memory_floor != float("inf"):
         hint = f"the closest plan is {memory_floor:.1f} GiB over; " + hint
     return (f"no feasible plan for model={model.name} on {cluster.num_gpus} GPUs of "
             f"{cluster.gpu.memory_gib:g} GiB with global_batch_size={train.global_batch_size} "
             f"(pruned: {reasons}); {hint}")
 
+
+def _no_plan_hint(cluster: ClusterSpec, train: TrainSpec, pruned: Counter, fixed: Mapping[str, object]) -> str:
+    """The fix for what pruned every candidate: the batch split, the shape rules, or memory."""
+    memory = sum(count for reason, count in pruned.items() if reason not in ("microbatches", "divisibility"))
+    batch = train.global_batch_size
+    if memory:
+        dps = [d for d in range(1, cluster.num_gpus + 1) if cluster.num_gpus % d == 0 and batch % d == 0]
+        split = (f"global_batch_size={batch} splits evenly only over DP {dps} (a multiple of {cluster.num_gpus} "
+                 "splits over every DP); " if len(dps) < sum(1 for d in range(1, cluster.num_gpus + 1)
+                                                            if cluster.num_gpus % d == 0) else "")
+        return split + "use more GPUs, recompute_granularity=full, or a smaller micro_batch_size"
+    if "num_microbatches" in fixed:
+        m = int(fixed["num_microbatches"])
+        return (f"no micro_batch_size x DP splits global_batch_size={batch} into train.num_microbatches={m} "
+                f"microbatches; leave train.num_microbatches null, or set a global batch of {m} x micro_batch_size "
+                "x DP")
+    if pruned.get("microbatches") and not pruned.get("divisibility"):
+        return (f"global_batch_size={batch} is not a multiple of DP x micro_batch_size for any candidate, or leaves "
+                f"too few microbatches for the schedule; use a multiple of {cluster.num_gpus} (every DP divides it)")
+    return ("the model's layers or heads do not divide over any candidate's sizes (Megatron's shape rules); "
+            "pin other sizes or use another GPU count")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -119,11 +120,8 @@ class Space:
         spec = self._records.get(train_key)
         if spec is None:
             train = self.train
-            spec = self._records[train_key] = TrainSpec(
-                micro_batch_size=point.micro_batch_size, global_batch_size=train.global_batch_size,
-                seq_length=train.seq_length, recompute_granularity=point.recompute_granularity,
-                precision=train.precision, fp8_recipe=train.fp8_recipe, fp8_param_gather=train.fp8_param_gather,
-                moe_load_imbalance=train.moe_load_imbalance)
+            spec = self._records[train_key] = dataclasses.replace(
+                train, micro_batch_size=point.micro_batch_size, recompute_granularity=point.recompute_granularity)
         return Candidate(parallel=parallel, train=spec, schedule=point.schedule,
                          per_stage_recompute=point.per_stage_recompute)
 
@@ -138,7 +136,7 @@ def _values(fixed: Mapping[str, object], name: str, default: tuple) -> tuple:
 
 
 def _check_fixed(fixed: Mapping[str, object], options: SearchOptions) -> None:
-    unknown = set(fixed) - set(DIMENSIONS) - {"data_parallel_size"}
+    unknown = set(fixed) - set(DIMENSIONS) - {"data_parallel_size", "num_microbatches"}
     if unknown:
         raise ConfigError(f"cannot fix {sorted(unknown)}; searchable dimensions are {list(DIMENSIONS)}")
     schedule = fixed.get("schedule")
@@ -147,9 +145,12 @@ def _check_fixed(fixed: Mapping[str, object], options: SearchOptions) -> None:
 
 
 def pinned_problem(*, model: ModelSpec, cluster: ClusterSpec, fixed: Mapping[str, object],
-                   options: SearchOptions) -> str | None:
+                   options: SearchOptions, global_batch_size: int = 0) -> str | None:
     """Why Megatron's shape rules reject a pinned tensor-parallel size for this model on this cluster, in one
     line naming the fix; None when they do not."""
+    microbatches = _microbatches_problem(cluster, fixed, global_batch_size)
+    if microbatches:
+        return microbatches
     tp = fixed.get("tensor_model_parallel_size")
     if tp is None:
         return None
@@ -163,6 +164,25 @@ def pinned_problem(*, model: ModelSpec, cluster: ClusterSpec, fixed: Mapping[str
         return (f"parallel.tensor_model_parallel_size={tp} spans NVLink domains of {cluster.domain_gpus} GPUs; use a "
                 f"divisor of {cluster.domain_gpus} or search.allow_cross_node_tp=true")
     return None
+
+
+def _microbatches_problem(cluster: ClusterSpec, fixed: Mapping[str, object], batch: int) -> str | None:
+    """Why a pinned train.num_microbatches cannot hold with the pinned micro-batch size and DP (Megatron derives
+    it: global batch / (micro-batch x DP)); None when it can, or when the search still picks mbs or DP."""
+    if not batch or "num_microbatches" not in fixed or "micro_batch_size" not in fixed:
+        return None
+    sizes = [fixed.get(key) for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
+    dp = fixed.get("data_parallel_size")
+    if dp is None and None not in sizes:
+        dp = cluster.num_gpus // (int(sizes[0]) * int(sizes[1]) * int(fixed.get("context_parallel_size") or 1))
+    if dp is None:
+        return None
+    m, mbs = int(fixed["num_microbatches"]), int(fixed["micro_batch_size"])
+    if batch == m * mbs * int(dp):
+        return None
+    return (f"train.num_microbatches={m} cannot hold: Megatron derives global_batch_size / (micro_batch_size x DP) = "
+            f"{batch} / ({mbs} x {dp}) = {batch / (mbs * int(dp)):g}; set train.global_batch_size={m * mbs * int(dp)} "
+            "for it, or leave train.num_microbatches null")
 
 
 def _tp_values(model: ModelSpec, cluster: ClusterSpec, fixed: Mapping, options: SearchOptions) -> tuple[int, ...]:
@@ -204,7 +224,8 @@ def enumerate_candidates(
     """
     fixed = dict(fixed or {})
     _check_fixed(fixed, options)
-    problem = pinned_problem(model=model, cluster=cluster, fixed=fixed, options=options)
+    problem = pinned_problem(model=model, cluster=cluster, fixed=fixed, options=options,
+                             global_batch_size=train.global_batch_size)
     if problem:
         raise ConfigError(problem)
     variants = feature_variants(template.features, model=model, free=frozenset(SEARCHED) - set(fixed))
@@ -313,8 +334,7 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok, group) -> 
     for schedule in schedules:
         item = spec(schedule)
         name = str(item.name)  # a plain str: points key many caches
-        vps = item.virtual_sizes(pipeline_model_parallel_size=pp,
-                                 max_virtual=options.max_virtual_pipeline_model_parallel_size)
+        vps = item.virtual_sizes(pipeline_model_parallel_size=pp, max_virtual=_max_virtual(model, pp, options))
         if "virtual_pipeline_model_parallel_size" in fixed:
             vp = int(fixed["virtual_pipeline_model_parallel_size"])
             admitted = item.admits_virtual(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
@@ -327,6 +347,9 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok, group) -> 
                     yield "microbatches"
                     continue
                 m = train.global_batch_size // (mbs * dp)
+                if "num_microbatches" in fixed and m != int(fixed["num_microbatches"]):
+                    yield "microbatches"
+                    continue
                 reason = "" if divisible else "divisibility"
                 if not reason and not item.searchable(
                         pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=vp,
@@ -339,6 +362,13 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok, group) -> 
                     granularity = Recompute.none if adaptive else recompute
                     for sp in sps:
                         yield reason or Point(tp, cp, pp, dp, vp, mbs, granularity, sp, name, adaptive, m)
+
+
+def _max_virtual(model, pp: int, options) -> int:
+    """The most chunks per rank searched: what the layers fill (:func:`max_stages`), or the user's cap."""
+    filled = max_stages(model.num_layers) // pp
+    cap = options.max_virtual_pipeline_model_parallel_size
+    return filled if cap is None else min(filled, cap)
 
 
 def _no_fit_message(world: int, fixed: Mapping[str, object]) -> str:

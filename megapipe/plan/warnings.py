@@ -8,6 +8,10 @@
 - Long context (>= 128k tokens) with a deep pipeline: each in-flight microbatch holds
   s-proportional activations on the first stage, which context parallelism shards
   and pipelining does not.
+- Few microbatches per pipeline (at most 4 x PP) with a bubble above the goal below: the fill and drain take a large share of the
+  step, and a larger global batch is the fix; the warning names the global batch whose microbatches
+  bring the flushed bubble ((p - 1) / (v m + p - 1), Narayanan et al. 2021 eq. 2 with v chunks) under
+  ``search.bubble_target``'s upper end, else 10%.
 - MoE token dispatch whose transient buffers (:func:`megapipe.cost.memory.dispatcher_transient_bytes`)
   exceed the memory left free by ``gpu.usable_memory_fraction``: the plan's memory check does
   not hold them, so the run may go out of memory inside a MoE layer.
@@ -15,14 +19,20 @@
 
 from __future__ import annotations
 
+import math
+
 from megapipe.records import ClusterSpec, ParallelSpec, TrainSpec
 from megapipe.units import GIB
 
-__all__ = ["MAX_PIPELINE_DEPTH", "LONG_CONTEXT", "plan_warnings"]
+__all__ = ["MAX_PIPELINE_DEPTH", "LONG_CONTEXT", "FEW_MICROBATCHES_PER_STAGE", "plan_warnings"]
 
 MAX_PIPELINE_DEPTH = 8
 LONG_CONTEXT = 131072
 _DEEP_FOR_LONG_CONTEXT = 4
+FEW_MICROBATCHES_PER_STAGE = 4
+"""At most this many microbatches per pipeline stage, with a bubble above the goal, is warned about."""
+_BUBBLE_GOAL = 0.10
+"""The bubble the few-microbatches warning's suggested batch reaches when no search.bubble_target is set."""
 
 
 def plan_warnings(
@@ -35,6 +45,7 @@ def plan_warnings(
     bubble_warning_range: tuple[float, float] | None = None,
     memory_over_gib: float = 0.0,
     dispatcher_bytes: float = 0.0,
+    bubble_goal: float | None = None,
 ) -> tuple[str, ...]:
     """One short sentence per hazard, in a fixed order."""
     pp = parallel.pipeline_model_parallel_size
@@ -62,4 +73,20 @@ def plan_warnings(
         )
     if pp > 1 and num_microbatches < pp:
         out.append(f"num_microbatches={num_microbatches} < pipeline_model_parallel_size={pp}: pipeline never fills")
+    elif (pp > 1 and num_microbatches <= FEW_MICROBATCHES_PER_STAGE * pp
+          and bubble_fraction > (bubble_goal or _BUBBLE_GOAL)):
+        out.append(_few_microbatches(parallel, train, num_microbatches, bubble_fraction, bubble_goal or _BUBBLE_GOAL))
     return tuple(out)
+
+
+def _few_microbatches(parallel: ParallelSpec, train: TrainSpec, num_microbatches: int, bubble_fraction: float,
+                      goal: float) -> str:
+    """The warning for a short pipeline: the bubble now, and the global batch that brings it under ``goal``."""
+    pp, vp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    needed = (pp - 1) * (1 - goal) / (vp * goal)  # (p - 1) / (v m + p - 1) <= goal
+    smallest = max(math.ceil(needed - 1e-9), num_microbatches + 1)
+    microbatches = -(-smallest // pp) * pp  # a multiple of PP, as interleaving needs
+    batch = microbatches * train.micro_batch_size * parallel.data_parallel_size
+    return (f"only {num_microbatches} microbatches per pipeline of {pp} stages: the pipeline bubble is "
+            f"{bubble_fraction:.0%} of the pipeline's time; train.global_batch_size={batch} ({microbatches} "
+            f"microbatches) brings it under {goal:.0%}")

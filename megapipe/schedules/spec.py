@@ -145,7 +145,9 @@ class ScheduleSpec:
         return self.fixed_chunks or virtual_pipeline_model_parallel_size
 
     def virtual_sizes(self, *, pipeline_model_parallel_size: int, max_virtual: int) -> tuple[int, ...]:
-        """Chunk counts the search tries: the fixed one, or 2..max_virtual (none without pipelining)."""
+        """Chunk counts the search tries: the fixed one, or 2..max_virtual (none without pipelining).
+
+        ``max_virtual`` is the caller's cap: the most chunks the layers fill, or a user's smaller limit."""
         if self.fixed_chunks is not None:
             return (self.fixed_chunks,)
         return tuple(range(2, max_virtual + 1)) if pipeline_model_parallel_size > 1 else ()

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megapipe.errors import InfeasibleError, MegapipeError
@@ -41,10 +42,15 @@ class Resolved:
     train: TrainSpec
     chosen: tuple[tuple[str, object], ...] = ()
     """The unstated settings and the values the planner chose for them."""
-    fits: bool = True
-    """Whether megapipe's memory model says the run, as resolved, fits its GPUs."""
+    memory_over_gib: float = 0.0
+    """How far megapipe's memory model puts the run's fullest rank over its usable memory (0: it fits)."""
     layout: str = ""
     """The run's own pipeline_model_parallel_layout (a monitored run); empty: Megatron's default equal split."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether megapipe's memory model says the run, as resolved, fits its GPUs."""
+        return self.memory_over_gib == 0.0
 
 
 def run_cluster(run: PublishedRun, base: ClusterSpec, runtime: RuntimeSpec | None = None) -> ClusterSpec:
@@ -103,9 +109,10 @@ def _evaluate(evaluator: Evaluator, cand: Candidate, layout: str = "") -> Plan:
     return evaluator.finish(_prepare(evaluator, cand, layout))
 
 
-def _fits(run: PublishedRun, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec) -> bool:
+def _over_gib(run: PublishedRun, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec) -> float:
+    """GiB the run's fullest rank needs beyond its usable memory, by megapipe's memory model (0: it fits)."""
     evaluator = Evaluator(model=run.model, cluster=cluster, options=SearchOptions(ignore_memory_limit=True))
-    return _evaluate(evaluator, candidate_of(parallel, train)).feasible
+    return _evaluate(evaluator, candidate_of(parallel, train)).memory_over_gib
 
 
 def _ranked(run: PublishedRun, cluster: ClusterSpec, *, ignore_memory: bool) -> list[Plan]:
@@ -128,10 +135,10 @@ def resolve(run: PublishedRun, base: ClusterSpec) -> Resolved:
     cluster = run_cluster(run, base, RuntimeSpec())
     if not run.unknown:
         return Resolved(run=run, parallel=run.parallel, train=run.train,
-                        fits=_fits(run, cluster, run.parallel, run.train))
+                        memory_over_gib=_over_gib(run, cluster, run.parallel, run.train))
     plans = _ranked(run, cluster, ignore_memory=False) or _ranked(run, cluster, ignore_memory=True)
     if not plans:
-        return Resolved(run=run, parallel=run.parallel, train=run.train, fits=False,
+        return Resolved(run=run, parallel=run.parallel, train=run.train, memory_over_gib=math.inf,
                         chosen=tuple((name, "no plan") for name in run.unknown))
     best: Plan = plans[0]
     parallel = dataclasses.replace(run.parallel, virtual_pipeline_model_parallel_size=best.parallel.virtual_pipeline_model_parallel_size,
@@ -144,7 +151,7 @@ def resolve(run: PublishedRun, base: ClusterSpec) -> Resolved:
               "sequence_parallel": parallel.sequence_parallel,
               "recompute_granularity": train.recompute_granularity.value}
     return Resolved(run=run, parallel=parallel, train=train, chosen=tuple((name, values[name]) for name in run.unknown),
-                    fits=_fits(run, cluster, parallel, train))
+                    memory_over_gib=_over_gib(run, cluster, parallel, train))
 
 
 def predict(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None) -> Plan:
