@@ -44,6 +44,9 @@ class Unsolved(Exception):
 _EPS = 1e-9
 _SEARCHED_CHUNKS = 6
 """Up to this many chunks per rank the rank's integer program is searched directly; beyond it, HiGHS."""
+_RELAXED_CHUNKS = 5
+"""From this many chunks per rank on, the linear relaxation (HiGHS) settles the greedy counts or bounds the search;
+below it the rows' own bounds prune the few counts well enough (and scipy stays unimported)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,7 +188,7 @@ class _RankProblem:
         else:
             found = self._greedy(high)
             if sum(found) < math.floor(self.upper(high) + 1e-9):  # the bound leaves room: settle it exactly
-                relaxed = self._relaxation(high)
+                relaxed = self._relaxation(high) if len(high) >= _RELAXED_CHUNKS else None
                 if relaxed is None or sum(found) < math.floor(relaxed[0] + 1e-9):
                     found = (self._branch_and_bound(high, found, relaxed) if len(high) <= _SEARCHED_CHUNKS
                              else self._solve(high))
@@ -261,7 +264,7 @@ class _RankProblem:
             if total + min(sum(high[index:]), sum(self.low[index:]) + math.floor(room + 1e-9)) <= best_total:
                 return
             combined = combined_room(index, used)
-            if combined < 0 or total + math.floor(combined + 1e-9) <= best_total:
+            if combined < 0 or combined != math.inf and total + math.floor(combined + 1e-9) <= best_total:
                 return
             column = columns[index]
             for count in range(high[index], self.low[index] - 1, -1):
