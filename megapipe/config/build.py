@@ -492,60 +492,11 @@ def to_scenario(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, obj
     check_known_keys(cfg)
     model, seq_source = _model_spec(cfg.model, train_seq_length=cfg.train.seq_length)
     cluster = _cluster_spec(cfg.cluster, _runtime_spec(cfg.get("runtime")))
-    given = _given(cfg)
-    if search:
-        if given.get("schedule") == "all":
-            del given["schedule"]
-        if cfg.train.num_microbatches is not None:  # Megatron derives it; the search keeps the candidates giving it
-            given["num_microbatches"] = positive_int("train.num_microbatches", cfg.train.num_microbatches,
-                                                     upper=MAX_SIZE)
-        values = {**_SEARCH_PLACEHOLDER, **given}
-    else:
-        values = _fill(given, cluster, fill)
-    tp, pp, cp = (positive_int(f"parallel.{key}", values[key], upper=cluster.num_gpus,
-                               fix=f"cluster {cluster.name!r} has {cluster.num_gpus} GPUs")
-                  for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
-    vp = positive_int("parallel.virtual_pipeline_model_parallel_size", values["virtual_pipeline_model_parallel_size"],
-                      upper=MAX_LAYERS)
-    group = cfg.parallel.microbatch_group_size_per_vp_stage
-    if group is not None:
-        positive_int("parallel.microbatch_group_size_per_vp_stage", group)
-    if cluster.num_gpus % (tp * pp * cp):
-        raise ConfigError(
-            f"{cluster.num_gpus} GPUs are not divisible by TP*PP*CP={tp}*{pp}*{cp}; "
-            "change the parallel sizes or cluster.num_nodes"
-        )
-    dp = cluster.num_gpus // (tp * pp * cp)
-    ep, etp = _expert_sizes(model, values, tp=tp, stage=tp * cp * dp, cluster=cluster, search=search)
-    features, pinned = _features(cfg, model, search=search)
-    parallel = ParallelSpec(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
-        context_parallel_size=cp, data_parallel_size=dp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        features=features,
-        sequence_parallel=bool(values["sequence_parallel"]),
-        use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
-        microbatch_group_size_per_vp_stage=group,
-        tp_comm_overlap=bool(cfg.parallel.get("tp_comm_overlap", False)),
-        overlap_grad_reduce=bool(cfg.parallel.get("overlap_grad_reduce", True)),
-        overlap_param_gather=bool(cfg.parallel.get("overlap_param_gather", True)),
-    )
-    train = TrainSpec(
-        micro_batch_size=positive_int("train.micro_batch_size", values["micro_batch_size"], upper=1 << 20),
-        global_batch_size=positive_int("train.global_batch_size", cfg.train.global_batch_size, upper=MAX_SIZE),
-        seq_length=model.seq_length if cfg.train.seq_length is None else positive_int(
-            "train.seq_length", cfg.train.seq_length, upper=MAX_SEQ_LENGTH),
-        recompute_granularity=Recompute(_enum_value(values["recompute_granularity"])),
-        precision=_precision(cfg.train.precision),
-        **_fp8_fields(cfg, _precision(cfg.train.precision), cluster, parallel),
-        moe_load_imbalance=_imbalance(cfg.train.get("moe_load_imbalance"), cluster.runtime),
-        grad_reduce_in_fp32=bool(cfg.train.get("grad_reduce_in_fp32", True)),
-    )
-    for index, group in enumerate(cluster.node_groups):
-        check_precision(train, group.gpu, where=f"cluster.node_groups[{index}].gpu" if cluster.is_heterogeneous
-                        else "cluster.gpu")
+    given, values = _dimension_values(cfg, cluster, search=search, fill=fill)
+    parallel, pinned = _parallel_spec(cfg, model, cluster, values, search=search)
+    train = _train_spec(cfg, model, cluster, values, parallel)
     _check_run_size(cfg)
-    problem = feature_problem(features, model=model, parallel=_pinned_sizes(given, parallel) if search else parallel,
+    problem = feature_problem(parallel.features, model=model, parallel=_pinned_sizes(given, parallel) if search else parallel,
                               train=train)
     if problem:
         raise ConfigError(problem)
@@ -564,6 +515,75 @@ def to_scenario(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, obj
     search_options(cfg), replan_options(cfg), output_options(cfg)
     extra_of(cfg)
     return scenario
+
+
+def _dimension_values(cfg: DictConfig, cluster: ClusterSpec, *, search: bool,
+                      fill: Mapping[str, object] | None) -> tuple[dict, dict]:
+    """(the search dimensions the config pins, every dimension's value): stand-ins for the free ones in a search,
+    else ``fill``'s and the defaults."""
+    given = _given(cfg)
+    if not search:
+        return given, _fill(given, cluster, fill)
+    if given.get("schedule") == "all":
+        del given["schedule"]
+    if cfg.train.num_microbatches is not None:  # Megatron derives it; the search keeps the candidates giving it
+        given["num_microbatches"] = positive_int("train.num_microbatches", cfg.train.num_microbatches, upper=MAX_SIZE)
+    return given, {**_SEARCH_PLACEHOLDER, **given}
+
+
+def _parallel_spec(cfg: DictConfig, model: ModelSpec, cluster: ClusterSpec, values: Mapping, *,
+                   search: bool) -> tuple[ParallelSpec, dict]:
+    """The ParallelSpec of the dimension values, checked against the cluster's GPU count, and the runtime features
+    the user pinned."""
+    tp, pp, cp = (positive_int(f"parallel.{key}", values[key], upper=cluster.num_gpus,
+                               fix=f"cluster {cluster.name!r} has {cluster.num_gpus} GPUs")
+                  for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
+    vp = positive_int("parallel.virtual_pipeline_model_parallel_size", values["virtual_pipeline_model_parallel_size"],
+                      upper=MAX_LAYERS)
+    group = cfg.parallel.microbatch_group_size_per_vp_stage
+    if group is not None:
+        positive_int("parallel.microbatch_group_size_per_vp_stage", group)
+    if cluster.num_gpus % (tp * pp * cp):
+        raise ConfigError(
+            f"{cluster.num_gpus} GPUs are not divisible by TP*PP*CP={tp}*{pp}*{cp}; "
+            "change the parallel sizes or cluster.num_nodes"
+        )
+    dp = cluster.num_gpus // (tp * pp * cp)
+    ep, etp = _expert_sizes(model, values, tp=tp, stage=tp * cp * dp, cluster=cluster, search=search)
+    features, pinned = _features(cfg, model, search=search)
+    return ParallelSpec(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+        context_parallel_size=cp, data_parallel_size=dp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        features=features,
+        sequence_parallel=bool(values["sequence_parallel"]),
+        use_distributed_optimizer=bool(cfg.parallel.use_distributed_optimizer),
+        microbatch_group_size_per_vp_stage=group,
+        tp_comm_overlap=bool(cfg.parallel.get("tp_comm_overlap", False)),
+        overlap_grad_reduce=bool(cfg.parallel.get("overlap_grad_reduce", True)),
+        overlap_param_gather=bool(cfg.parallel.get("overlap_param_gather", True)),
+    ), pinned
+
+
+def _train_spec(cfg: DictConfig, model: ModelSpec, cluster: ClusterSpec, values: Mapping,
+                parallel: ParallelSpec) -> TrainSpec:
+    """The TrainSpec of the config and the dimension values, its precision checked on every GPU type."""
+    precision = _precision(cfg.train.precision)
+    train = TrainSpec(
+        micro_batch_size=positive_int("train.micro_batch_size", values["micro_batch_size"], upper=1 << 20),
+        global_batch_size=positive_int("train.global_batch_size", cfg.train.global_batch_size, upper=MAX_SIZE),
+        seq_length=model.seq_length if cfg.train.seq_length is None else positive_int(
+            "train.seq_length", cfg.train.seq_length, upper=MAX_SEQ_LENGTH),
+        recompute_granularity=Recompute(_enum_value(values["recompute_granularity"])),
+        precision=precision,
+        **_fp8_fields(cfg, precision, cluster, parallel),
+        moe_load_imbalance=_imbalance(cfg.train.get("moe_load_imbalance"), cluster.runtime),
+        grad_reduce_in_fp32=bool(cfg.train.get("grad_reduce_in_fp32", True)),
+    )
+    for index, group in enumerate(cluster.node_groups):
+        check_precision(train, group.gpu, where=f"cluster.node_groups[{index}].gpu" if cluster.is_heterogeneous
+                        else "cluster.gpu")
+    return train
 
 
 def stage_times_of(cfg: DictConfig) -> tuple | None:
