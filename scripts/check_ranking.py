@@ -43,6 +43,10 @@ def _outside(resolved, gain: float | None) -> str:
         return ""
     if not resolved.fits:
         return "its memory model puts the tuned run over usable memory, so the search leaves it out"
+    floor = SearchOptions().context_parallel_min_seq_length
+    if resolved.parallel.context_parallel_size > 1 and resolved.train.seq_length < floor:
+        return (f"CP={resolved.parallel.context_parallel_size} at seq {resolved.train.seq_length:,}: the search tries CP "
+                f"from search.context_parallel_min_seq_length={floor:,} tokens up")
     return "not explained: the search should contain it"
 
 
