@@ -44,9 +44,16 @@ class PackInputs:
     inputs: dict
 
 
+PACK_MAX_VIRTUAL = 4
+"""The most chunks per rank each job's searches try unless search.max_virtual_pipeline_model_parallel_size says:
+pack searches every job at every node count, and the full VP range multiplies that work several times over."""
+
+
 def prepare(cfg: DictConfig) -> PackInputs:
     scenario = to_scenario(cfg, search=True)
     search = search_options(cfg)
+    if search.max_virtual_pipeline_model_parallel_size is None:
+        search = dataclasses.replace(search, max_virtual_pipeline_model_parallel_size=PACK_MAX_VIRTUAL)
     profile = cfg.get("profile")
     if profile:
         raise ConfigError(f"profile={profile} holds one model's layer costs; pack costs each job with the "
@@ -106,10 +113,10 @@ def run(job: PackInputs, *, directory: str) -> None:
     if job.output.json:
         print_json({**document, "files": written})
         return
-    _print(result, cluster, directory)
+    _print(result, cluster, directory, max_virtual=job.search.max_virtual_pipeline_model_parallel_size)
 
 
-def _print(result, cluster, directory: str) -> None:
+def _print(result, cluster, directory: str, *, max_virtual: int | None = None) -> None:
     from rich.table import Table
 
     out = console()
@@ -159,6 +166,9 @@ def _print(result, cluster, directory: str) -> None:
             out.print(f"  {spec.name}: {option.nodes} x {cluster.node_groups[option.group].gpu.name}, "
                       f"TP{option.plan.parallel.tensor_model_parallel_size} "
                       f"PP{option.plan.parallel.pipeline_model_parallel_size}, {option.tokens_per_s:,.0f} tok/s")
+    if max_virtual is not None:
+        out.print(f"each job's searches try VP up to {max_virtual} (search.max_virtual_pipeline_model_parallel_size; "
+                  "`megapipe plan` of one job tries every VP Megatron allows)", markup=False)
     out.print(f"decided in {result.seconds:.1f} s ({result.searches} planner searches in all); files in {directory}: "
               "pack.yaml, cluster.png, jobs/<name>/ (plan.yaml, megatron_args.txt, launch_megatron.sh, launch_slurm.sbatch, "
               "bridge_overrides.txt, nemo2_overrides.txt, nemo1_overrides.txt)")
