@@ -92,11 +92,8 @@ def _moe_problem(features: RuntimeFeatures, model: ModelSpec, parallel: Parallel
     return None
 
 
-def feature_problem(features: RuntimeFeatures, *, model: ModelSpec, parallel: ParallelSpec | None,
-                    train: TrainSpec) -> str | None:
-    """Why megatron-core would refuse these features for this model and plan, in one line; None when it runs.
-
-    ``parallel`` None checks what holds at any parallel sizes (a search's sizes are not chosen yet)."""
+def _value_problem(features: RuntimeFeatures) -> str | None:
+    """The first feature set to a value megatron-core does not know (dispatcher, graph impl, scopes, modules)."""
     if features.moe_token_dispatcher_type not in DISPATCHERS:
         return f"moe_token_dispatcher_type={features.moe_token_dispatcher_type!r}; use one of {', '.join(DISPATCHERS)}"
     if features.cuda_graph_impl not in CUDA_GRAPH_IMPLS:
@@ -107,6 +104,11 @@ def feature_problem(features: RuntimeFeatures, *, model: ModelSpec, parallel: Pa
     bad = [module for module in features.recompute_modules if module not in RECOMPUTE_MODULES]
     if bad:
         return f"recompute_modules holds {bad}; use values of {', '.join(RECOMPUTE_MODULES)}"
+    return None
+
+
+def _overlap_problem(features: RuntimeFeatures, train: TrainSpec) -> str | None:
+    """Why EP overlap (or the delayed weight gradients it enables) cannot run with this precision and recompute."""
     if features.overlap_moe_expert_parallel_comm and train.precision not in ("bf16", "fp16", "fp8"):
         return f"overlap_moe_expert_parallel_comm needs a bf16 or fp16 model, not precision={train.precision}"
     if features.overlap_moe_expert_parallel_comm and Recompute(train.recompute_granularity) == Recompute.full:
@@ -118,9 +120,11 @@ def feature_problem(features: RuntimeFeatures, *, model: ModelSpec, parallel: Pa
     if features.delay_wgrad_compute and not features.overlap_moe_expert_parallel_comm:
         return "delay_wgrad_compute needs overlap_moe_expert_parallel_comm=true (it overlaps the weight gradients " \
                "with the EP all-to-all)"
-    problem = _moe_problem(features, model, parallel)
-    if problem:
-        return problem
+    return None
+
+
+def _graph_problem(features: RuntimeFeatures, model: ModelSpec, train: TrainSpec) -> str | None:
+    """Why megatron-core cannot capture these CUDA graphs (impl, scopes) for this model and recompute."""
     if features.cuda_graphs and model.is_moe and not features.cuda_graph_scope:
         return ("a CUDA graph of the whole MoE layer cannot capture dropless routing (its token counts change every "
                 "step); set train.cuda_graph_scope=[attn,moe_router,moe_preprocess]")
@@ -147,6 +151,11 @@ def feature_problem(features: RuntimeFeatures, *, model: ModelSpec, parallel: Pa
         return "recompute_modules moe cannot run with a Transformer Engine moe_router graph; drop one of them"
     if features.cuda_graphs and Recompute(train.recompute_granularity) == Recompute.full:
         return "CUDA graphs do not capture full recompute; use recompute_granularity=selective or none"
+    return None
+
+
+def _recompute_problem(features: RuntimeFeatures, model: ModelSpec, train: TrainSpec) -> str | None:
+    """Why selective recompute cannot recompute these modules for this model and FP8 recipe."""
     if Recompute(train.recompute_granularity) == Recompute.selective:
         if "mla_up_proj" in features.recompute_modules and not model.multi_latent_attention:
             return "recompute_modules mla_up_proj needs multi-latent attention (model.multi_latent_attention=true)"
@@ -155,15 +164,31 @@ def feature_problem(features: RuntimeFeatures, *, model: ModelSpec, parallel: Pa
         if (train.precision == "fp8" and train.fp8_recipe == "delayed"
                 and any(m in features.recompute_modules for m in ("moe_act", "layernorm"))):
             return "recompute_modules moe_act and layernorm do not work with fp8_recipe=delayed; use tensorwise"
+    return None
+
+
+def _padding_and_bias_problem(features: RuntimeFeatures, model: ModelSpec, train: TrainSpec) -> str | None:
+    """Why the router's quantization padding, or delayed weight gradients under an attn graph, cannot run."""
     if features.moe_router_padding_for_quantization and train.precision != "fp8":
         return "moe_router_padding_for_quantization needs FP8 (train.precision=fp8)"
     if features.moe_router_padding_for_quantization and features.moe_token_dispatcher_type == "allgather":
         return "moe_router_padding_for_quantization does not work with the allgather dispatcher; use alltoall or flex"
     biased = model.add_bias_linear if model.add_bias_linear is not None else model.activation == "gelu"
-    if features.delay_wgrad_compute and biased and "attn" in scopes:
+    if features.delay_wgrad_compute and biased and "attn" in features.cuda_graph_scope:
         return ("delay_wgrad_compute with an attn CUDA graph needs linear layers without biases (megatron-core "
                 "0.17+); drop attn from cuda_graph_scope or turn delay_wgrad_compute off")
     return None
+
+
+def feature_problem(features: RuntimeFeatures, *, model: ModelSpec, parallel: ParallelSpec | None,
+                    train: TrainSpec) -> str | None:
+    """Why megatron-core would refuse these features for this model and plan, in one line; None when it runs.
+
+    ``parallel`` None checks what holds at any parallel sizes (a search's sizes are not chosen yet)."""
+    # Checked lazily in this order: it decides which message a combination with several problems gets.
+    return (_value_problem(features) or _overlap_problem(features, train) or _moe_problem(features, model, parallel)
+            or _graph_problem(features, model, train) or _recompute_problem(features, model, train)
+            or _padding_and_bias_problem(features, model, train) or None)
 
 
 def device_max_connections(features: RuntimeFeatures) -> int | None:

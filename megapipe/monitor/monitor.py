@@ -290,6 +290,61 @@ class TrainingMonitor:
         return {d.figure: {"measured": d.measured, "predicted": d.predicted, "drift": d.drift} for d in found}
 
 
+def _check_arguments(*, log_every: int, warmup_steps: int, drift_threshold: float, topology_threshold: float,
+                     topology_budget_s: float) -> None:
+    """ConfigError naming the first of attach_monitor's periods and thresholds that is out of range."""
+    for name, value, low in (("log_every", log_every, 1), ("warmup_steps", warmup_steps, 0)):
+        if not (isinstance(value, int) and value >= low):
+            raise ConfigError(f"{name}={value!r} must be an int >= {low}")
+    for name, value in (("drift_threshold", drift_threshold), ("topology_threshold", topology_threshold),
+                        ("topology_budget_s", topology_budget_s)):
+        if not (finite(value) and value > 0):
+            raise ConfigError(f"{name}={value!r} must be a number > 0")
+
+
+def _throughput_figures(document: dict | None, *, tokens_per_step: float | None, flops_per_token: float | None,
+           peak_tflops_per_gpu: float | None) -> tuple[float | None, float | None, float | None]:
+    """(tokens_per_step, flops_per_token, peak_tflops_per_gpu): the arguments, the plan's figures where unset."""
+    rates = plan_rates(document) if document is not None else None
+    if rates is not None:  # explicit arguments win over the plan's figures
+        tokens_per_step = tokens_per_step or rates.tokens_per_step
+        flops_per_token = flops_per_token or rates.flops_per_token
+        peak_tflops_per_gpu = peak_tflops_per_gpu or rates.peak_tflops_per_gpu
+    return tokens_per_step, flops_per_token, peak_tflops_per_gpu
+
+
+def _hook_and_group(models: Any, *, pipeline_group: Any, layout: str | None, schedule_hook: bool, log_every: int,
+                    expected: PlanExpectation | None, p2p_latency_ms: float | None) -> tuple[Any, Any, str | None]:
+    """(schedule hook, pipeline group, layout) for the model chunks: the hook attached unless turned off, the
+    layout from the model config when not given; without models, only an explicit group."""
+    hook = group = None
+    if models is not None:
+        from megapipe.monitor.hook import _config_of, _pipeline_group, attach
+
+        config = _config_of(models[0] if isinstance(models, (list, tuple)) else models)
+        group = _pipeline_group(config, pipeline_group)
+        if layout is None:
+            layout = layout_string(getattr(config, "pipeline_model_parallel_layout", None))
+        if schedule_hook:
+            hook = attach(models, pipeline_group=group if group is not None else None, gather_every=log_every,
+                          plan=expected.bubble_fraction if expected else None,
+                          p2p_latency_ms=p2p_latency_ms or 0.0)
+    elif pipeline_group != "auto":
+        group = pipeline_group
+    return hook, group, layout
+
+
+def _ranks(group: Any) -> tuple[int, int, int]:
+    """(world rank, rank in the pipeline group, world size); (0, 0, 1) without torch.distributed."""
+    rank, pipeline_rank, num_gpus = 0, 0, 1
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rank, num_gpus = dist.get_rank(), dist.get_world_size()
+        pipeline_rank = dist.get_rank(group) if group is not None else 0
+    return rank, pipeline_rank, num_gpus
+
+
 def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every: int = 10,
                    plan: str | dict | None = None, drift_threshold: float = 0.1, warmup_steps: int = 1,
                    topology_check: bool = True, topology_threshold: float = 0.2, topology_budget_s: float = 2.0,
@@ -313,40 +368,17 @@ def attach_monitor(models: Any = None, *, log_dir: str | None = None, log_every:
     ``p2p_latency_ms``: the per-message cost the hook's simulator charges; None
     takes the latency the link check measures at ``train_start`` (0 without it).
     """
-    for name, value, low in (("log_every", log_every, 1), ("warmup_steps", warmup_steps, 0)):
-        if not (isinstance(value, int) and value >= low):
-            raise ConfigError(f"{name}={value!r} must be an int >= {low}")
-    for name, value in (("drift_threshold", drift_threshold), ("topology_threshold", topology_threshold),
-                        ("topology_budget_s", topology_budget_s)):
-        if not (finite(value) and value > 0):
-            raise ConfigError(f"{name}={value!r} must be a number > 0")
+    _check_arguments(log_every=log_every, warmup_steps=warmup_steps, drift_threshold=drift_threshold,
+                     topology_threshold=topology_threshold, topology_budget_s=topology_budget_s)
     document = _plan_document(plan)
     expected = expectation(document) if document is not None else None
-    rates = plan_rates(document) if document is not None else None
-    if rates is not None:  # explicit arguments win over the plan's figures
-        tokens_per_step = tokens_per_step or rates.tokens_per_step
-        flops_per_token = flops_per_token or rates.flops_per_token
-        peak_tflops_per_gpu = peak_tflops_per_gpu or rates.peak_tflops_per_gpu
-    hook = group = None
-    if models is not None:
-        from megapipe.monitor.hook import _config_of, _pipeline_group, attach
-
-        config = _config_of(models[0] if isinstance(models, (list, tuple)) else models)
-        group = _pipeline_group(config, pipeline_group)
-        if layout is None:
-            layout = layout_string(getattr(config, "pipeline_model_parallel_layout", None))
-        if schedule_hook:
-            hook = attach(models, pipeline_group=group if group is not None else None, gather_every=log_every,
-                          plan=expected.bubble_fraction if expected else None,
-                          p2p_latency_ms=p2p_latency_ms or 0.0)
-    elif pipeline_group != "auto":
-        group = pipeline_group
-    rank, pipeline_rank, num_gpus = 0, 0, 1
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        rank, num_gpus = dist.get_rank(), dist.get_world_size()
-        pipeline_rank = dist.get_rank(group) if group is not None else 0
+    tokens_per_step, flops_per_token, peak_tflops_per_gpu = _throughput_figures(
+        document, tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
+        peak_tflops_per_gpu=peak_tflops_per_gpu)
+    hook, group, layout = _hook_and_group(models, pipeline_group=pipeline_group, layout=layout,
+                                          schedule_hook=schedule_hook, log_every=log_every, expected=expected,
+                                          p2p_latency_ms=p2p_latency_ms)
+    rank, pipeline_rank, num_gpus = _ranks(group)
     return TrainingMonitor(
         hook=hook, group=group, rank=rank, pipeline_rank=pipeline_rank, num_gpus=num_gpus, log_dir=log_dir,
         log_every=log_every, plan=expected, drift_threshold=float(drift_threshold), warmup_steps=warmup_steps,

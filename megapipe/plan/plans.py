@@ -144,39 +144,24 @@ class Plan:
 
     def to_dict(self, *, moe: bool = False) -> dict:
         """The plan's record; ``moe`` adds the expert-parallel sizes and the dispatcher."""
-        par, train = self.parallel, self.train
         out = {
-            "parallel": {
-                "tensor_model_parallel_size": par.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
-                "virtual_pipeline_model_parallel_size": par.virtual_pipeline_model_parallel_size,
-                "context_parallel_size": par.context_parallel_size,
-                "data_parallel_size": par.data_parallel_size,
-                "sequence_parallel": par.sequence_parallel,
-                "use_distributed_optimizer": par.use_distributed_optimizer,
-                **({"tp_comm_overlap": True} if par.tp_comm_overlap and par.sequence_parallel else {}),
-                **({"microbatch_group_size_per_vp_stage": par.microbatch_group_size_per_vp_stage}
-                   if par.microbatch_group_size_per_vp_stage and par.virtual_pipeline_model_parallel_size > 1 else {}),
-                **({"expert_model_parallel_size": par.expert_model_parallel_size,
-                    "expert_tensor_parallel_size": par.expert_tp,
-                    "expert_data_parallel_size": par.expert_data_parallel_size,
-                    **features_dict(par.features)}
-                   if moe else {}),
-            },
-            "train": {
-                "micro_batch_size": train.micro_batch_size,
-                "global_batch_size": train.global_batch_size,
-                "seq_length": train.seq_length,
-                "recompute_granularity": train.recompute_granularity.value,
-                "num_microbatches": self.num_microbatches,
-                "precision": train.precision,
-                **({"fp8_recipe": train.fp8_recipe, "fp8_param_gather": train.fp8_param_gather}
-                   if train.precision == "fp8" else {}),
-            },
+            "parallel": _parallel_dict(self.parallel, moe=moe),
+            "train": _train_dict(self.train, num_microbatches=self.num_microbatches),
             "schedule": str(self.schedule),
             "method": self.method,
             "decoder_layers_per_stage": list(self.decoder_layers_per_stage),
             "layout": self.layout,
+            **self._figures_dict(),
+        }
+        if self.stage_gpus:
+            out["stage_gpus"] = list(self.stage_gpus)
+        if self.stage_recompute:
+            out["stage_recompute"] = list(self.stage_recompute)
+        return out
+
+    def _figures_dict(self) -> dict:
+        """The plan's times, throughput, memory, cost and verdicts, rounded as plan.yaml records them."""
+        return {
             "step_time_s": _round(self.step_time_s),
             **({"step_time_interval": [_round(v) for v in self.step_time_interval]}
                if self.step_time_interval else {}),
@@ -199,11 +184,41 @@ class Plan:
             "memory_over_gib": _round(self.memory_over_gib),
             "warnings": list(self.warnings),
         }
-        if self.stage_gpus:
-            out["stage_gpus"] = list(self.stage_gpus)
-        if self.stage_recompute:
-            out["stage_recompute"] = list(self.stage_recompute)
-        return out
+
+
+def _parallel_dict(par: ParallelSpec, *, moe: bool) -> dict:
+    """A plan's parallel section in Megatron's names; ``moe`` adds the expert-parallel sizes and the features."""
+    return {
+        "tensor_model_parallel_size": par.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": par.virtual_pipeline_model_parallel_size,
+        "context_parallel_size": par.context_parallel_size,
+        "data_parallel_size": par.data_parallel_size,
+        "sequence_parallel": par.sequence_parallel,
+        "use_distributed_optimizer": par.use_distributed_optimizer,
+        **({"tp_comm_overlap": True} if par.tp_comm_overlap and par.sequence_parallel else {}),
+        **({"microbatch_group_size_per_vp_stage": par.microbatch_group_size_per_vp_stage}
+           if par.microbatch_group_size_per_vp_stage and par.virtual_pipeline_model_parallel_size > 1 else {}),
+        **({"expert_model_parallel_size": par.expert_model_parallel_size,
+            "expert_tensor_parallel_size": par.expert_tp,
+            "expert_data_parallel_size": par.expert_data_parallel_size,
+            **features_dict(par.features)}
+           if moe else {}),
+    }
+
+
+def _train_dict(train: TrainSpec, *, num_microbatches: int) -> dict:
+    """A plan's train section in Megatron's names; the FP8 recipe only for an fp8 plan."""
+    return {
+        "micro_batch_size": train.micro_batch_size,
+        "global_batch_size": train.global_batch_size,
+        "seq_length": train.seq_length,
+        "recompute_granularity": train.recompute_granularity.value,
+        "num_microbatches": num_microbatches,
+        "precision": train.precision,
+        **({"fp8_recipe": train.fp8_recipe, "fp8_param_gather": train.fp8_param_gather}
+           if train.precision == "fp8" else {}),
+    }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -150,27 +150,38 @@ def _features(parallel: Mapping, train: Mapping, where: str, extra: Mapping | No
     return RuntimeFeatures(**values)
 
 
-def _run(node: Mapping, index: int) -> PublishedRun:
-    where = f"runs[{index}] ({node.get('id', '?')})"
-    parallel, train, measured = (_get(node, key, where) for key in ("parallel", "train", "measured"))
-    model = _model(_get(node, "model", where), where)
+def _unknown_settings(node: Mapping, where: str) -> tuple[str, ...]:
+    """The settings the run lists as unstated, checked to be a subset of UNKNOWABLE."""
     unknown = tuple(node.get("unknown") or ())
     bad = [name for name in unknown if name not in UNKNOWABLE]
     if bad:
         raise ConfigError(f"{where}.unknown holds {bad}; only {list(UNKNOWABLE)} may be unstated")
+    return unknown
+
+
+def _parallel_sizes(node: Mapping, parallel: Mapping, where: str) -> tuple[int, int, int, int]:
+    """(num_gpus, TP, PP, CP) of the run, checked that TP*PP*CP divides the GPUs."""
     num_gpus = positive_int(f"{where}.num_gpus", _get(node, "num_gpus", where))
     tp, pp, cp = (positive_int(f"{where}.parallel.{key}", _get(parallel, key, f"{where}.parallel"))
                   for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
     if num_gpus % (tp * pp * cp):
         raise ConfigError(f"{where}: num_gpus={num_gpus} is not divisible by TP*PP*CP={tp * pp * cp}; fix the run")
-    vp = parallel.get("virtual_pipeline_model_parallel_size")
-    sp = parallel.get("sequence_parallel")
+    return num_gpus, tp, pp, cp
+
+
+def _precision(train: Mapping, where: str) -> tuple[str, str]:
+    """(precision, fp8_recipe) of the run, checked against the known precisions and FP8 recipes."""
     precision = str(_get(train, "precision", f"{where}.train"))
     if precision not in PRECISIONS:
         raise ConfigError(f"{where}.train.precision={precision!r}; use one of {', '.join(PRECISIONS)}")
     recipe = train.get("fp8_recipe") or ""
     if precision == "fp8" and recipe not in FP8_RECIPES:
         raise ConfigError(f"{where}.train.fp8_recipe={recipe!r}; an fp8 run names one of {', '.join(FP8_RECIPES)}")
+    return precision, recipe
+
+
+def _schedule(parallel: Mapping, vp: object, where: str) -> str | None:
+    """The megatron-core schedule the run names (None when unstated), checked against its interleaving depth."""
     schedule = parallel.get("schedule")
     if schedule is not None and schedule not in MEGATRON_SCHEDULES:
         raise ConfigError(f"{where}.parallel.schedule={schedule!r}; a run states one of megatron-core's schedules "
@@ -178,7 +189,13 @@ def _run(node: Mapping, index: int) -> PublishedRun:
     if schedule is not None and schedule_spec(schedule).fixed_chunks is None and vp is not None and int(vp) < 2:
         raise ConfigError(f"{where}: schedule=interleaved_1f1b with virtual_pipeline_model_parallel_size={vp}; "
                           "interleaving needs 2 or more")
-    spec = ParallelSpec(
+    return schedule
+
+
+def _parallel_spec(parallel: Mapping, train: Mapping, where: str, *, num_gpus: int, tp: int, pp: int, cp: int,
+                   vp: object, sp: object) -> ParallelSpec:
+    """The run's ParallelSpec: its stated sizes and overlaps, Megatron's defaults (or placeholders) for the rest."""
+    return ParallelSpec(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=int(vp or 1), data_parallel_size=num_gpus // (tp * pp * cp),
         sequence_parallel=bool(tp > 1 if sp is None else sp and tp > 1),
@@ -190,26 +207,56 @@ def _run(node: Mapping, index: int) -> PublishedRun:
         expert_tensor_parallel_size=int(parallel.get("expert_tensor_parallel_size") or 0),
         features=_features(parallel, train, where),
     )
-    mbs = train.get("micro_batch_size")
+
+
+def _train_spec(train: Mapping, model: ModelSpec, where: str, *, precision: str, recipe: str) -> TrainSpec:
+    """The run's TrainSpec: its stated batch, sequence and recompute (placeholders where unstated)."""
     recompute = train.get("recompute_granularity")
-    train_spec = TrainSpec(
-        micro_batch_size=int(mbs or 1),
+    return TrainSpec(
+        micro_batch_size=int(train.get("micro_batch_size") or 1),
         global_batch_size=positive_int(f"{where}.train.global_batch_size", _get(train, "global_batch_size", where)),
         seq_length=positive_int(f"{where}.train.seq_length", train.get("seq_length") or model.seq_length),
         recompute_granularity=Recompute(recompute or "none"), precision=precision, fp8_recipe=recipe,
         fp8_param_gather=bool(train.get("fp8_param_gather") or False),
+        grad_reduce_in_fp32=bool(train.get("grad_reduce_in_fp32", True)),
         moe_load_imbalance=None if train.get("moe_load_imbalance") is None else float(train["moe_load_imbalance"]),
     )
-    stated = {"micro_batch_size": mbs, "virtual_pipeline_model_parallel_size": vp, "sequence_parallel": sp,
-              "recompute_granularity": recompute}
+
+
+def _check_stated(stated: Mapping, unknown: tuple[str, ...], where: str, *, tp: int, pp: int) -> None:
+    """ConfigError when an UNKNOWABLE setting is null without being listed in ``unknown`` (and it matters)."""
     missing = [name for name, value in stated.items() if value is None and name not in unknown
                and not (name == "sequence_parallel" and tp == 1)
                and not (name == "virtual_pipeline_model_parallel_size" and pp == 1)]
     if missing:
         raise ConfigError(f"{where}: {missing} are null but not listed in unknown; state them or list them")
+
+
+def _step_time(measured: Mapping, where: str) -> int | float:
+    """The run's measured step time in seconds as stated, checked to be a number > 0."""
     step = measured.get("step_time_s")
     if not (isinstance(step, (int, float)) and step > 0):
         raise ConfigError(f"{where}.measured.step_time_s={step!r} must be a number > 0")
+    return step
+
+
+def _run(node: Mapping, index: int) -> PublishedRun:
+    """One run of the document (``runs[index]``); ConfigError naming the run and field on bad input."""
+    where = f"runs[{index}] ({node.get('id', '?')})"
+    parallel, train, measured = (_get(node, key, where) for key in ("parallel", "train", "measured"))
+    model = _model(_get(node, "model", where), where)
+    unknown = _unknown_settings(node, where)
+    num_gpus, tp, pp, cp = _parallel_sizes(node, parallel, where)
+    vp = parallel.get("virtual_pipeline_model_parallel_size")
+    sp = parallel.get("sequence_parallel")
+    precision, recipe = _precision(train, where)
+    schedule = _schedule(parallel, vp, where)
+    spec = _parallel_spec(parallel, train, where, num_gpus=num_gpus, tp=tp, pp=pp, cp=cp, vp=vp, sp=sp)
+    train_spec = _train_spec(train, model, where, precision=precision, recipe=recipe)
+    stated = {"micro_batch_size": train.get("micro_batch_size"), "virtual_pipeline_model_parallel_size": vp,
+              "sequence_parallel": sp, "recompute_granularity": train.get("recompute_granularity")}
+    _check_stated(stated, unknown, where, tp=tp, pp=pp)
+    step = _step_time(measured, where)
     source = node.get("source") or {}
     return PublishedRun(
         id=str(_get(node, "id", where)), set=str(node.get("set", "")),
