@@ -234,6 +234,8 @@ class SearchStats:
     pruned: tuple[tuple[str, int], ...] = ()
     """(reason, count): divisibility, microbatches, memory, bound, ..."""
     seconds: float = 0.0
+    virtual_sizes: tuple[int, ...] = ()
+    """The VP values of the candidates that passed the shape rules (1 without interleaving)."""
 
     def to_dict(self) -> dict:
         return {
@@ -243,6 +245,7 @@ class SearchStats:
             "simulated": self.simulated,
             "pruned": dict(self.pruned),
             "seconds": round(self.seconds, 4),
+            "virtual_pipeline_model_parallel_sizes": list(self.virtual_sizes),
         }
 
 

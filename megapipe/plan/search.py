@@ -99,7 +99,9 @@ def search(
         template, use_distributed_optimizer=use_distributed_optimizer))
     stats = SearchStats(enumerated=space.enumerated, evaluated=len(bounded), partitioned=work["partitioned"],
                         simulated=work["simulated"], pruned=tuple(sorted(pruned.items())),
-                        seconds=time.perf_counter() - started)
+                        seconds=time.perf_counter() - started,
+                        virtual_sizes=tuple(sorted({point.virtual_pipeline_model_parallel_size
+                                                    for point in space.points})))
     gain = chosen.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
     return SearchResult(plans=ranked, chosen=chosen, baseline=baseline, reference=reference, stats=stats,
                         profile=evaluator.costs.profile(_candidate_of(chosen)),
