@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -146,23 +147,66 @@ def _pool(count: int):
 def _mapper(pool, count: int):
     if pool is None:
         return map
-    return lambda function, items: pool.map(function, items, chunksize=-(-count // _workers(count)))
+    return lambda function, items: pool.imap(function, items, chunksize=max(1, -(-count // (4 * _workers(count)))))
+
+
+class _Progress:
+    """Where validate is: a bar per phase on a terminal's stderr, else one line per phase (what a piped run shows)."""
+
+    def __init__(self):
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+
+    def __enter__(self):
+        if self._bar is not None:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def mapper(self, mapper, label: str):
+        """``mapper`` whose results advance the phase ``label`` (each call adds its items to the total)."""
+        task = None if self._bar is None else self._bar.add_task(label, total=0)
+        if task is None:
+            print(f"validate: {label}", file=sys.stderr, flush=True)
+
+        def mapped(function, items):
+            items = list(items)
+            if task is None:
+                return list(mapper(function, items))
+            self._bar.update(task, total=self._bar.tasks[task].total + len(items))
+            out = []
+            for result in mapper(function, items):
+                out.append(result)
+                self._bar.advance(task)
+            return out
+        return mapped
 
 
 def _rows(job: ValidateInputs) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
     pool = _pool(len(job.runs))
     try:
-        mapper = _mapper(pool, len(job.runs))
-        resolved = list(mapper(_resolve, list(zip(job.runs, job.clusters))))
-        runs = RunSet(resolved, job.clusters)
-        in_use = job.runtime
-        stages = stages_of(resolved, dense=job.fields, moe=job.moe_fields)
-        fitted = fit_stages(runs, start=in_use, stages=stages)
-        loo = staged_leave_one_out(runs, start=fitted, stages=stages, mapper=mapper) \
-            if job.leave_one_out else (None,) * len(runs)
-        loso = leave_one_source_out(runs, start=fitted, stages=stages, mapper=mapper,
-                                    neutral=RuntimeSpec(name=in_use.name)) \
-            if job.leave_one_source_out else (None,) * len(runs)
+        with _Progress() as progress:
+            mapper = _mapper(pool, len(job.runs))
+            resolved = progress.mapper(mapper, f"resolving {len(job.runs)} runs")(
+                _resolve, list(zip(job.runs, job.clusters)))
+            runs = RunSet(resolved, job.clusters)
+            in_use = job.runtime
+            stages = stages_of(resolved, dense=job.fields, moe=job.moe_fields)
+            progress.mapper(map, "fitting the runtime on every run")
+            fitted = fit_stages(runs, start=in_use, stages=stages)
+            loo = staged_leave_one_out(runs, start=fitted, stages=stages,
+                                       mapper=progress.mapper(mapper, "leave-one-run-out refits")) \
+                if job.leave_one_out else (None,) * len(runs)
+            loso = leave_one_source_out(runs, start=fitted, stages=stages,
+                                        mapper=progress.mapper(mapper, "leave-one-source-out refits"),
+                                        neutral=RuntimeSpec(name=in_use.name)) \
+                if job.leave_one_source_out else (None,) * len(runs)
     finally:
         if pool is not None:
             pool.close()
