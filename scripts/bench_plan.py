@@ -14,12 +14,15 @@ Prints, on one core (CPU time of this single-threaded process; wall clock alongs
   simulated) on a random sample, extrapolated to the whole space; and the ratios of (a) and
   (b) to it and to Calculon's published 433 configs/s/core.
 
-    python scripts/bench_plan.py [--sample 40] [--exact 200] [--repeats 3] [--moe]
+    python scripts/bench_plan.py [--sample 40] [--exact 200] [--repeats 3] [--moe] [--max-virtual N]
+
+``--max-virtual N`` also times the same search with VP capped at N (the yardstick of the full VP range).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import time
@@ -109,6 +112,8 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=40, help="candidates for the naive yardstick")
     parser.add_argument("--exact", type=int, default=200, help="candidates for the exact-evaluation rate")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-virtual", type=int, default=None,
+                        help="also time the search with search.max_virtual_pipeline_model_parallel_size=N")
     parser.add_argument("--moe", action="store_true",
                         help="DeepSeek-V3 (MLA, 256 experts, MTP) on 1,024 H100 (128 x 8), global batch 8192, EP searched")
     args = parser.parse_args()
@@ -120,6 +125,11 @@ def main() -> None:
     fixed = scenario.fixed
     options = search_options(cfg)
     stats, seconds = _search(scenario, fixed, options, args.repeats)
+    if args.max_virtual is not None:
+        print(f"with VP capped at {args.max_virtual}:")
+        _, capped = _search(scenario, fixed, dataclasses.replace(options, max_virtual_pipeline_model_parallel_size=
+                                                                 args.max_virtual), args.repeats)
+        print(f"every VP against VP <= {args.max_virtual}: {seconds / capped:.2f}x the time")
     space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=fixed,
                                  options=options)
     decided = stats.enumerated / seconds

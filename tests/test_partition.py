@@ -552,3 +552,31 @@ def test_tied_bottleneck_moves_layers_off_the_fullest_stage():
     assert max(part.stage_memory_bytes) == 8 * UNIT
     # Without a finite cap, and with virtual stages, the min-max split is kept as found (latest cuts last).
     assert solve(layers, [StageSpec()] * 3, num_microbatches=8).entries_per_stage == (3, 3, 1)
+
+
+def test_rank_problem_largest_total_equals_brute_force_with_many_chunks():
+    """A rank of 5 or 6 chunks settles its largest total through the linear relaxation and the combined-row
+    bound; the total equals exhaustive enumeration of every count vector."""
+    import itertools
+    import random
+
+    from megapipe.partition import coupled
+    from megapipe.records import LayerCost, LayerKind
+
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(150):
+        chunks, rows = rng.choice((5, 6)), rng.randint(2, 8)
+        decoder = LayerCost(name="t", kind=LayerKind.decoder, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=0.0,
+                            static_bytes=rng.uniform(1, 4), act_bytes=rng.uniform(0.2, 2))
+        shape = coupled.UniformShape(decoder=decoder, num_decoders=40, head=None, tail=None)
+        profile = [tuple(rng.randint(0, 6) for _ in range(chunks)) for _ in range(rows)]
+        low = [1] * chunks
+        problem = coupled._RankProblem(shape, list(range(chunks)), profile, rng.uniform(40, 160),
+                                       [(0.0, 0.0, 0.0)] * chunks, low)
+        high = tuple(rng.randint(1, 4) for _ in range(chunks))
+        feasible = [sum(c) for c in itertools.product(*(range(lo, h + 1) for lo, h in zip(low, high)))
+                    if problem.fits(c)]
+        assert problem.largest(high) == (max(feasible) if feasible else None)
+        checked += bool(feasible)
+    assert checked > 50

@@ -223,7 +223,7 @@ def print_plans(result: SearchResult, *, scenario: Scenario, reference: Referenc
 
 def _virtual_searched(stats) -> str:
     """The VP values the search tried, as ranges (``VP 1-41``), or nothing when it tried none beyond 1."""
-    values = getattr(stats, "virtual_sizes", ())
+    values = stats.virtual_sizes
     if not values or tuple(values) == (1,):
         return ""
     runs, first, last = [], values[0], values[0]

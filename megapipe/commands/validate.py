@@ -169,17 +169,22 @@ class _Progress:
         if self._bar is not None:
             self._bar.__exit__(*exc)
 
+    def phase(self, label: str):
+        """Start the phase ``label``: its bar's task, or its line when there is no terminal (None)."""
+        if self._bar is None:
+            print(f"validate: {label}", file=sys.stderr, flush=True)
+            return None
+        return self._bar.add_task(label, total=None)
+
     def mapper(self, mapper, label: str):
         """``mapper`` whose results advance the phase ``label`` (each call adds its items to the total)."""
-        task = None if self._bar is None else self._bar.add_task(label, total=0)
-        if task is None:
-            print(f"validate: {label}", file=sys.stderr, flush=True)
+        task = self.phase(label)
 
         def mapped(function, items):
             items = list(items)
             if task is None:
                 return list(mapper(function, items))
-            self._bar.update(task, total=self._bar.tasks[task].total + len(items))
+            self._bar.update(task, total=(self._bar.tasks[task].total or 0) + len(items))
             out = []
             for result in mapper(function, items):
                 out.append(result)
@@ -198,7 +203,7 @@ def _rows(job: ValidateInputs) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
             runs = RunSet(resolved, job.clusters)
             in_use = job.runtime
             stages = stages_of(resolved, dense=job.fields, moe=job.moe_fields)
-            progress.mapper(map, "fitting the runtime on every run")
+            progress.phase("fitting the runtime on every run")
             fitted = fit_stages(runs, start=in_use, stages=stages)
             loo = staged_leave_one_out(runs, start=fitted, stages=stages,
                                        mapper=progress.mapper(mapper, "leave-one-run-out refits")) \

@@ -42,7 +42,7 @@ from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
 from megapipe.plan.rank import rank_plans, score
 from megapipe.plan.plans import Candidate, Plan, SearchResult, SearchStats
 from megapipe.options import Reference, SearchOptions
-from megapipe.plan.space import Point, Space, enumerate_candidates
+from megapipe.plan.space import Point, Space, divisors, enumerate_candidates
 from megapipe.records import Profile
 from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 from megapipe.schedules import SPECS, ScheduleName
@@ -380,10 +380,10 @@ def _no_plan_hint(cluster: ClusterSpec, train: TrainSpec, pruned: Counter, fixed
     memory = sum(count for reason, count in pruned.items() if reason not in ("microbatches", "divisibility"))
     batch = train.global_batch_size
     if memory:
-        dps = [d for d in range(1, cluster.num_gpus + 1) if cluster.num_gpus % d == 0 and batch % d == 0]
+        every = divisors(cluster.num_gpus)
+        dps = [d for d in every if batch % d == 0]
         split = (f"global_batch_size={batch} splits evenly only over DP {dps} (a multiple of {cluster.num_gpus} "
-                 "splits over every DP); " if len(dps) < sum(1 for d in range(1, cluster.num_gpus + 1)
-                                                            if cluster.num_gpus % d == 0) else "")
+                 "splits over every DP); " if len(dps) < len(every) else "")
         return split + "use more GPUs, recompute_granularity=full, or a smaller micro_batch_size"
     if "num_microbatches" in fixed:
         m = int(fixed["num_microbatches"])

@@ -25,7 +25,8 @@ def gantt_png(result: SimResult, path: str, *, title: str | None = None, label_o
 
     schedule = result.schedule
     ranks = len(schedule.orders)
-    figure, axes = plt.subplots(figsize=(12, 1.4 + 0.45 * ranks), dpi=100)
+    width = 12.0
+    figure, axes = plt.subplots(figsize=(width, 1.4 + 0.45 * ranks), dpi=100)
     label_ops = schedule.num_ops <= 400 if label_ops is None else label_ops
     for rank, (order, starts, ends) in enumerate(zip(schedule.orders, result.start_ms, result.end_ms)):
         for kind in KIND_COLOURS:
@@ -41,13 +42,19 @@ def gantt_png(result: SimResult, path: str, *, title: str | None = None, label_o
     axes.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     axes.set_xlim(0, max(result.step_time_ms, 1e-9))
     axes.set_xlabel("time (ms)")
-    axes.set_title(title or (
+    axes.set_title(_fitted(title or (
         f"{schedule.name}: P={schedule.pipeline_model_parallel_size}, m={schedule.num_microbatches}, "
         f"step {result.step_time_ms:,.1f} ms, bubble {100 * result.bubble_fraction:.1f}%"
-    ))
+    ), width), fontsize=10)
     used = {a.kind for order in schedule.orders for a in order}
     handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLOURS[k]) for k in KIND_COLOURS if k in used]
     axes.legend(handles, [_LABELS[k] for k in KIND_COLOURS if k in used], loc="upper center", fontsize=7,
                 bbox_to_anchor=(0.5, -0.12 - 0.5 / ranks), ncol=len(handles), frameon=False)
     figure.tight_layout()
     return save_png(figure, path)
+
+
+def _fitted(title: str, width_inches: float) -> str:
+    """``title`` cut to what the figure's width holds at the title's font size (a long layout would overflow)."""
+    limit = max(20, int(width_inches * 14))
+    return title if len(title) <= limit else title[:limit - 1] + "…"
