@@ -4,10 +4,11 @@ Each command is a module of :mod:`megapipe.commands` with ``prepare(cfg)`` (the 
 any files it names, turned into records: every check that can fail on bad input) and
 ``run(prepared, directory=...)``. A single run composes the config once, prepares, makes a
 run directory of its own (``output.dir``, else ``outputs/<command>/<time>``, made unique
-when two runs start in the same second) with Hydra's ``.hydra/`` record and
-``<command>.log``, and runs. ``-m`` makes it a Hydra multirun (sweeps, joblib or submitit
-launchers). Bad input of any kind (unknown config option, mistyped key, infeasible plan,
-corrupt file) ends in one line on stderr and exit code 2, never a traceback.
+when two runs start in the same second) and runs; a run that wrote files there gets Hydra's
+``.hydra/`` record beside them, and ``<command>.log`` once something is logged. A run that fails,
+or writes nothing there, leaves no directory behind. ``-m`` makes it a Hydra multirun (sweeps,
+joblib or submitit launchers). Bad input of any kind (unknown config option, mistyped key,
+infeasible plan, corrupt file) ends in one line on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -211,21 +212,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _make_run_dir(cfg) -> str:
-    """``output.dir`` as given, else Hydra's ``hydra.run.dir``; a second run in the same second gets ``-1``, ``-2``..."""
+def _make_run_dir(cfg) -> tuple[str, list[str]]:
+    """``output.dir`` as given, else Hydra's ``hydra.run.dir``; a second run in the same second gets ``-1``, ``-2``...
+
+    Returns the directory and the directories this made, deepest first (empty when ``output.dir`` existed), so a run
+    that writes nothing can take them back."""
     if cfg.output.get("dir"):
         directory = str(cfg.output.dir)
+        made = _missing_dirs(directory)
         os.makedirs(directory, exist_ok=True)
-        return directory
+        return directory, made
     base = str(cfg.hydra.run.dir)
     for attempt in itertools.count():
         directory = base if attempt == 0 else f"{base}-{attempt}"
+        made = _missing_dirs(directory)
         try:
             os.makedirs(directory)
-            return directory
+            return directory, made
         except FileExistsError:
             continue
     raise AssertionError("unreachable")
+
+
+def _missing_dirs(directory: str) -> list[str]:
+    """``directory`` and those of its parents that do not exist yet, deepest first."""
+    missing, path = [], os.path.abspath(directory)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_made(made: list[str], *, failed: bool) -> None:
+    """Take back the directories a run made: all of the run directory when the run failed, else only empty ones
+    (a parent another run has written into meanwhile stays)."""
+    import shutil
+
+    if failed and made:
+        shutil.rmtree(made[0], ignore_errors=True)
+    for path in made:
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty, or already gone
+            if os.path.exists(path):
+                return
 
 
 def _record_run(cfg, overrides: list[str], directory: str) -> None:
@@ -242,20 +272,28 @@ def _record_run(cfg, overrides: list[str], directory: str) -> None:
 
 
 def _run_once(command: str, module, cfg, prepared, overrides: list[str]) -> None:
-    """Make the run directory, record the run, log to ``<command>.log``, run."""
+    """Make the run directory, log to ``<command>.log`` (opened at the first record), run, and record the run
+    beside what it wrote; a failed run, or one that wrote nothing, leaves none of the directories it made."""
     from hydra.core.hydra_config import HydraConfig
 
     HydraConfig.instance().set_config(cfg)
-    directory = _make_run_dir(cfg)
-    _record_run(cfg, overrides, directory)
-    handler = logging.FileHandler(os.path.join(directory, f"{command}.log"), encoding="utf-8")
+    directory, made = _make_run_dir(cfg)
+    handler = logging.FileHandler(os.path.join(directory, f"{command}.log"), encoding="utf-8", delay=True)
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     logging.getLogger().addHandler(handler)
+    failed = True
     try:
         module.run(prepared, directory=directory)
+        failed = False
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
+        if failed:
+            _remove_made(made, failed=True)
+    if made and not os.listdir(directory):
+        _remove_made(made, failed=False)
+        return
+    _record_run(cfg, overrides, directory)
 
 
 _FAILURES_ENV = "MEGAPIPE_SWEEP_FAILURES"

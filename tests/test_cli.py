@@ -112,13 +112,43 @@ def test_command_help_is_the_commands_own(tmp_path):
     assert plan.stdout != partition.stdout
 
 
-def test_output_dir_holds_the_run_record_and_log(tmp_path):
-    out = megapipe("partition", "parallel.pipeline_model_parallel_size=8", f"output.dir={tmp_path / 'p'}",
-                   "output.format=json", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+TINY = ["model=tiny_gpt", "cluster=cpu_gloo", "train.global_batch_size=8"]
+
+
+def test_output_dir_holds_the_run_record_beside_the_files(tmp_path, capsys):
+    """The run's .hydra record goes beside what it wrote; a log file only once something is logged (a plan logs
+    nothing); a command that writes nothing (partition) leaves no directory, not even output.dir."""
+    from megapipe.cli import main
+
+    assert main(["plan", *TINY, f"output.dir={tmp_path / 'p'}", "output.pictures=false"]) == 0
     assert (tmp_path / "p" / ".hydra" / "config.yaml").is_file() and (tmp_path / "p" / ".hydra" / "overrides.yaml").is_file()
-    assert (tmp_path / "p" / "partition.log").is_file()
-    assert not (tmp_path / "outputs").exists()
+    assert (tmp_path / "p" / "plan.yaml").is_file() and not (tmp_path / "p" / "plan.log").exists()
+    assert main(["partition", *TINY, f"output.dir={tmp_path / 'q' / 'r'}", "output.format=json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["layout"]
+    assert not (tmp_path / "q").exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "model=llama3_70b", "cluster.num_nodes=1"],  # no feasible plan: found in run, after the directory
+    ["plan", *TINY, "cluster.gpu.memory_gib=0.001"],
+    ["report", "no-such-sweep"],  # a path that is not a directory, found in run
+])
+def test_a_failed_run_leaves_no_directory(tmp_path, capsys, argv):
+    from megapipe.cli import main
+
+    assert main([*argv, "output.pictures=false"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert main([*argv, f"output.dir={tmp_path / 'given' / 'dir'}"]) == 2
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_report_writes_into_the_sweep_and_leaves_no_run_directory(tmp_path, capsys):
+    from megapipe.cli import main
+
+    assert main(["plan", *TINY, f"output.dir={tmp_path / 'sweep' / '0'}", "output.pictures=false"]) == 0
+    assert main(["report", str(tmp_path / "sweep"), "output.pictures=false"]) == 0
+    assert "sweep.csv" in capsys.readouterr().out
+    assert (tmp_path / "sweep" / "sweep.csv").is_file() and not (tmp_path / "outputs").exists()
 
 
 def test_runs_started_together_get_their_own_directories(tmp_path):
