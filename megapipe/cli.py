@@ -2,8 +2,9 @@
 
 Each command is a module of :mod:`megapipe.commands` with ``prepare(cfg)`` (the config, and
 any files it names, turned into records: every check that can fail on bad input) and
-``run(prepared, directory=...)``. A single run composes the config once, prepares, makes a
-run directory of its own (``output.dir``, else ``outputs/<command>/<time>``, made unique
+``run(prepared, directory=...)``, and may name the config keys it reads (``CONFIG_KEYS``) and the
+files it writes (``FILES``) for its ``--help``. A single run composes the config once, prepares,
+makes a run directory of its own (``output.dir``, else ``outputs/<command>/<time>``, made unique
 when two runs start in the same second) and runs; a run that wrote files there gets Hydra's
 ``.hydra/`` record beside them, and ``<command>.log`` once something is logged. A run that fails,
 or writes nothing there, leaves no directory behind. ``-m`` makes it a Hydra multirun (sweeps,
@@ -136,10 +137,31 @@ def _describe(exc: BaseException) -> str:
 
 
 def _help(command: str, module) -> str:
-    doc = (module.__doc__ or "").strip()
-    return (f"usage: megapipe {command} [PATH] [key=value ...] [-m]\n\n{doc}\n\n"
-            "Any config key can be overridden (model=, cluster=, parallel.*, train.*, schedule=, search.*, output.*);\n"
-            f"`megapipe {command} --cfg job` prints the composed config, `--hydra-help` Hydra's options.")
+    """The command's docstring, the files it writes and the config keys it reads with their meanings."""
+    import shutil
+
+    path = f"{_TAKES_PATHS[command]} " if command in _TAKES_PATHS else ""
+    parts = [f"usage: megapipe {command} {path}[key=value ...] [-m]", (module.__doc__ or "").strip()]
+    files = getattr(module, "FILES", None)
+    if files:
+        width = max(len(name) for name, _ in files) + 2
+        parts.append(f"Files it writes into its directory (output.dir, else outputs/{command}/<date>_<time>), with "
+                     "the run's composed config and overrides under .hydra/:\n"
+                     + "\n".join(f"  {name.ljust(width)}{what}" for name, what in files))
+    elif files is not None:
+        parts.append("It writes no files, so it leaves no directory.")
+    keys = getattr(module, "CONFIG_KEYS", None)
+    if keys:
+        from megapipe.config.keys import config_help
+
+        columns = shutil.get_terminal_size((120, 24)).columns
+        parts.append(f"Config keys it reads (set any with key=value; `megapipe {command} --cfg job` prints their "
+                     f"values):\n{config_help(keys, width=min(columns, 160))}")
+    else:
+        parts.append("Any config key can be overridden (model=, cluster=, parallel.*, train.*, schedule=, search.*, "
+                     f"output.*);\n`megapipe {command} --cfg job` prints the composed config.")
+    parts.append(f"`megapipe {command} --hydra-help` shows Hydra's options (-m sweeps: model=llama3_8b,llama3_70b).")
+    return "\n\n".join(parts)
 
 
 def _precheck_sweep(command: str, module, overrides: list[str]) -> None:

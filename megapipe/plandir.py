@@ -25,18 +25,39 @@ from megapipe.profile.format import save_profile
 from megapipe.records import ClusterSpec, GpuSpec, ModelSpec, ParallelSpec, Partition, Profile, TrainSpec
 from megapipe.schedules import megatron_warnings
 
-__all__ = ["PLAN_FILE", "PLAN_TEXT_FILES", "LAUNCH_FILE", "SLURM_FILE", "NODE_RANKS_FILE", "Emission", "plan_emission",
-           "WrittenPlan", "write_plan", "checked_plan_document", "read_plan"]
+__all__ = ["PLAN_FILE", "PLAN_TEXT_FILES", "LAUNCH_FILE", "SLURM_FILE", "NODE_RANKS_FILE", "PROFILE_FILE", "GANTT_FILE",
+           "MEMORY_FILE", "PLAN_DIR_FILES", "Emission", "plan_emission", "WrittenPlan", "write_plan",
+           "checked_plan_document", "read_plan"]
 
 PLAN_FILE = "plan.yaml"
 """The plan document's name inside a plan directory."""
+_NEMO1_FILE = "nemo1_overrides.txt"
 PLAN_TEXT_FILES = (("megatron_args.txt", "megatron_command"), ("bridge_overrides.txt", "bridge_command"),
-                   ("nemo2_overrides.txt", "nemo2_command"), ("nemo1_overrides.txt", "nemo1_command"))
+                   ("nemo2_overrides.txt", "nemo2_command"), (_NEMO1_FILE, "nemo1_command"))
 """The plan dir's argument files and the :class:`~megapipe.emit.Emitted` line each holds: one shell-quoted
 line, to paste after the command or to use as ``eval "torchrun ... pretrain_gpt.py $(cat megatron_args.txt)"``."""
 LAUNCH_FILE = "launch_megatron.sh"
 SLURM_FILE = "launch_slurm.sbatch"
 NODE_RANKS_FILE = "node_ranks.txt"
+PROFILE_FILE = "profile.yaml"
+GANTT_FILE = "gantt.png"
+MEMORY_FILE = "memory.png"
+PLAN_DIR_FILES = (
+    (PLAN_FILE, "the plan (megapipe-plan/1): the best plan to run, the ranked ones, the inputs; no timestamps"),
+    ("megatron_args.txt", "the Megatron-LM arguments, one shell-quoted line"),
+    ("bridge_overrides.txt", "Megatron-Bridge overrides, one shell line"),
+    ("nemo2_overrides.txt", "NeMo 2 overrides, one shell line"),
+    (_NEMO1_FILE, "NeMo 1 overrides, one shell line"),
+    (LAUNCH_FILE, "torchrun on each node: NODE_RANK=n MASTER_ADDR=host MEGATRON_LM=checkout bash launch_megatron.sh"),
+    (SLURM_FILE, "the same on Slurm: MEGATRON_LM=checkout sbatch launch_slurm.sbatch"),
+    (NODE_RANKS_FILE, "mixed clusters only: the GPU type each node rank must run on"),
+    (PROFILE_FILE, "the per-layer costs the best plan was made with (megapipe-profile/1; replan reads it)"),
+    (GANTT_FILE, "the best plan's schedule, rank by rank over one step"),
+    (MEMORY_FILE, "each pipeline rank's peak memory, the best plan beside the equal split"),
+)
+"""Every file a plan directory may hold, in the order they are written and named on the console, and what it is:
+the argument files and launch scripts only for a plan megatron-core runs, the pictures unless
+``output.pictures=false``. ``megapipe plan --help`` prints this list; tests hold the README and docs/emit.md to it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,8 +112,8 @@ class WrittenPlan:
 def write_plan(directory: str, *, result: SearchResult, model: ModelSpec, cluster: ClusterSpec, inputs: Mapping,
                bridge_keys: str = "flat", title: str = "", extra: Mapping | None = None) -> WrittenPlan:
     """The best plan of ``result`` emitted, documented and written: plan.yaml, and for a plan megatron-core
-    runs its argument files, launch scripts (torchrun per node, and a Slurm batch script) and (mixed clusters) the node ranks' GPU types, and profile.yaml
-    when the plan was costed with a measured profile; each atomically."""
+    runs its argument files, launch scripts (torchrun per node, and a Slurm batch script) and (mixed clusters) the
+    node ranks' GPU types, and profile.yaml (the layer costs the best plan was made with); each atomically."""
     best = result.best
     emission = plan_emission(partition=best.partition, parallel=best.parallel, train=best.train, model=model,
                              cluster=cluster, stage_gpus=best.stage_gpus, bridge_keys=bridge_keys, title=title)
@@ -123,9 +144,10 @@ def _write_files(directory: str, *, document: dict, emission: Emission, profile:
         written.append(os.path.join(directory, NODE_RANKS_FILE))
         atomic_write_text(written[-1], node_rank_lines(emission.nodes))
     if profile is not None:
-        written.append(os.path.join(directory, "profile.yaml"))
+        written.append(os.path.join(directory, PROFILE_FILE))
         save_profile(profile, written[-1])
     return tuple(written)
+
 
 
 def checked_plan_document(document: object, *, source: str = "plan") -> dict:

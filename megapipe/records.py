@@ -113,22 +113,29 @@ class ModelSpec:
     """A decoder-only transformer, in Megatron's TransformerConfig names."""
 
     name: str
+    """The model's name, as plans and files label it (a hydra_conf/model option, or the Hugging Face model_type)."""
     num_layers: int
     """Decoder layers (Megatron num_layers)."""
     hidden_size: int
+    """Width of the residual stream (Megatron --hidden-size)."""
     num_attention_heads: int
+    """Query heads per layer (Megatron --num-attention-heads)."""
     num_query_groups: int
     """Key/value heads (GQA); equal to num_attention_heads for plain multi-head attention."""
     ffn_hidden_size: int
+    """Width of a dense layer's MLP (Megatron --ffn-hidden-size)."""
     vocab_size: int
     """Padded vocabulary size, as Megatron builds it."""
     seq_length: int
     """Default training sequence length in tokens."""
     activation: Activation = Activation.swiglu
+    """The MLP's activation: swiglu (gated: a third weight matrix), gelu or squared_relu."""
     untie_embeddings_and_output_weights: bool = True
+    """Separate input embedding and output layer weights (Megatron --untie-embeddings-and-output-weights)."""
     position_embedding_type: str = "rope"
     """rope, learned_absolute or none; learned_absolute adds seq_length x hidden_size parameters."""
     attention_backend: AttentionBackend = AttentionBackend.flash
+    """flash, fused or unfused attention kernels (unfused keeps the s x s scores for the backward)."""
     kv_channels: int | None = None
     """Per-head dimension; hidden_size // num_attention_heads when None."""
     mtp_num_layers: int = 0
@@ -146,6 +153,7 @@ class ModelSpec:
     """Biases on the query, key and value projections only (Qwen2 and Qwen2.5; Megatron --add-qkv-bias); implied
     by add_bias_linear. Their (heads + 2 x groups) x head_dim parameters per layer are left out of the memory."""
     norm_epsilon: float = 1e-5
+    """The normalisation's epsilon (Megatron --norm-epsilon)."""
     qk_layernorm: bool = False
     """Normalise queries and keys per head (Qwen3; with MLA, the q and kv latents)."""
     not_modelled: tuple[str, ...] = ()
@@ -159,28 +167,40 @@ class ModelSpec:
     moe_ffn_hidden_size: int | None = None
     """One routed expert's FFN width; ffn_hidden_size when None."""
     moe_router_topk: int = 2
+    """Routed experts each token goes to (Megatron --moe-router-topk)."""
     moe_shared_expert_intermediate_size: int = 0
     """All shared experts of a MoE layer together (n_shared x their width); 0 means none."""
     moe_layer_freq: tuple[int, ...] = ()
     """Per decoder layer, 1 for MoE and 0 for dense; empty means every layer is MoE (with experts)."""
     moe_router_score_function: str = "softmax"
+    """softmax or sigmoid (DeepSeek-V3) router scores (Megatron --moe-router-score-function)."""
     moe_router_pre_softmax: bool = False
+    """Softmax before the top-k instead of after it (Megatron --moe-router-pre-softmax)."""
     moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing with a per-expert score bias (Megatron --moe-router-enable-expert-bias)."""
     moe_router_num_groups: int | None = None
+    """Expert groups for group-limited routing (DeepSeek's node-limited routing); None routes over all experts."""
     moe_router_group_topk: int | None = None
+    """Groups a token may be routed to with group-limited routing."""
     moe_router_topk_scaling_factor: float | None = None
+    """Scale of the top-k routing weights (DeepSeek-V3: 2.5); None leaves them unscaled."""
     moe_router_load_balancing_type: str = "aux_loss"
+    """aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none (Megatron --moe-router-load-balancing-type)."""
     moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (Megatron --moe-aux-loss-coeff)."""
     # -- multi-latent attention (DeepSeek) ----------------------------------------------------------------
     multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (MLA) instead of grouped-query attention."""
     q_lora_rank: int | None = None
     """Query latent width; None projects queries directly."""
     kv_lora_rank: int = 512
+    """Key/value latent width (MLA)."""
     qk_head_dim: int = 128
     """Per-head query/key width without RoPE (HF qk_nope_head_dim)."""
     qk_pos_emb_head_dim: int = 64
     """Per-head RoPE width of queries and keys (HF qk_rope_head_dim)."""
     v_head_dim: int = 128
+    """Per-head value width (MLA)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layer_freq", tuple(int(v) for v in self.moe_layer_freq))
@@ -214,11 +234,13 @@ class GpuSpec:
     cluster files); the time model is :mod:`megapipe.cost.kernels`."""
 
     name: str
+    """The GPU type's name (its hydra_conf/cluster file's GPU), as plans and node ranks label it."""
     bf16_tflops: float = bounded("positive", required=True)
     """Dense (no sparsity) bf16 peak, TFLOP/s."""
     hbm_gbytes_per_s: float = bounded("positive", required=True)
     """HBM bandwidth, GB/s (10^9 bytes)."""
     memory_gib: float = bounded("positive", required=True)
+    """HBM per GPU, GiB."""
     usable_memory_fraction: float = bounded("fraction", 0.9)
     """Share of memory_gib left for megapipe's accounting after the CUDA context, NCCL buffers and fragmentation."""
     fp8_tflops: float = bounded("non_negative", 0.0)
@@ -283,6 +305,7 @@ class RuntimeSpec:
     """
 
     name: str = "megatron_core"
+    """The runtime's name (a hydra_conf/runtime option)."""
     microbatch_overhead_ms: float = 0.0
     """Per model chunk and microbatch, forward plus backward: the schedule's Python, p2p set-up, loss, launches
     the GPU does not hide."""
@@ -296,6 +319,7 @@ class RuntimeSpec:
     attention_efficiency_scale: float = 1.0
     """Attention kernels in training against their microbenchmarks, for architectures not listed below."""
     attention_efficiency_by_architecture: tuple[tuple[str, float], ...] = ()
+    """(GpuSpec.architecture, scale) pairs for attention, as gemm_efficiency_by_architecture for GEMMs."""
     comm_efficiency_scale: float = 1.0
     """Collectives in training against nccl-tests' bus bandwidth (contention with compute and other groups)."""
     host_kernel_us: float = 5.0
@@ -426,13 +450,19 @@ class ParallelSpec:
     """Megatron's model-parallel sizes; data_parallel_size is what is left of the GPUs."""
 
     tensor_model_parallel_size: int = 1
+    """TP: each layer's weights split this many ways (Megatron --tensor-model-parallel-size)."""
     pipeline_model_parallel_size: int = 1
+    """PP: pipeline ranks the layers are split over (Megatron --pipeline-model-parallel-size)."""
     virtual_pipeline_model_parallel_size: int = 1
     """Model chunks per pipeline rank; 1 means no interleaving (Megatron's None)."""
     context_parallel_size: int = 1
+    """CP: each sequence split this many ways, ring attention between them (Megatron --context-parallel-size)."""
     data_parallel_size: int = 1
+    """DP: model replicas, the GPUs left over TP x PP x CP."""
     sequence_parallel: bool = False
+    """Shard the norms' and dropouts' activations over the TP group (Megatron --sequence-parallel; needs TP > 1)."""
     use_distributed_optimizer: bool = True
+    """Shard the optimizer state over data-parallel ranks (Megatron --use-distributed-optimizer, ZeRO-1)."""
     microbatch_group_size_per_vp_stage: int | None = None
     """Megatron's interleaving group; pipeline_model_parallel_size when None."""
     expert_model_parallel_size: int = 1
@@ -445,6 +475,7 @@ class ParallelSpec:
     """Megatron's ``--tp-comm-overlap``: Transformer Engine pipelines the TP all-gather and reduce-scatter with
     the GEMMs (userbuffers; needs sequence parallelism)."""
     overlap_grad_reduce: bool = True
+    """The data-parallel gradient reduce runs under the backward (Megatron --overlap-grad-reduce)."""
     overlap_param_gather: bool = True
     """With the distributed optimizer: the parameter all-gather runs under the next forward."""
 
@@ -474,9 +505,14 @@ class ParallelSpec:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSpec:
     micro_batch_size: int = 1
+    """Sequences per microbatch (Megatron --micro-batch-size)."""
     global_batch_size: int = 1
+    """Sequences per optimizer step over all data-parallel ranks (Megatron --global-batch-size)."""
     seq_length: int = 2048
+    """Training sequence length in tokens (Megatron --seq-length)."""
     recompute_granularity: Recompute = Recompute.none
+    """Activation recompute: none, selective (the recompute_modules) or full (only each layer's input is kept and
+    the layer runs again in the backward)."""
     precision: str = "bf16"
     """bf16, fp16 or fp32 for activations and weights; fp8 is bf16 with FP8 GEMMs (Transformer Engine).
     Master weights and Adam state are fp32."""

@@ -105,6 +105,44 @@ def test_mixed_cluster_time_scales_agree_with_the_planner():
     assert specs[0].time_scale == pytest.approx(1.0) and specs[-1].time_scale > 1.5
 
 
+@pytest.mark.parametrize("command", ["plan", "simulate", "partition", "replan", "report", "validate", "calibrate",
+                                     "profile"])
+def test_help_lists_the_config_keys_the_command_reads_with_the_schemas_meanings(command, capsys):
+    import importlib
+
+    from megapipe.cli import main
+    from megapipe.config.keys import config_keys
+
+    assert main([command, "--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = config_keys(importlib.import_module(f"megapipe.commands.{command}").CONFIG_KEYS)
+    for key, meaning in rows:
+        line = next((line for line in lines if line.split()[:1] == [key]), None)
+        assert line is not None and meaning and line.split(None, 1)[1] == meaning[:len(line.split(None, 1)[1])], key
+    keys = {key for key, _ in rows}
+    reads = {"plan": {"train.micro_batch_size", "parallel.tensor_model_parallel_size", "search.objective",
+                      "output.dir", "profile", "model.num_layers", "cluster.gpu.memory_gib"},
+             "simulate": {"stage_times", "schedule.name", "output.pictures"}, "partition": {"output.bridge_keys"},
+             "replan": {"input", "search.min_gain"}, "report": {"input", "output.dir"},
+             "validate": {"validate.ids", "runtime.step_overhead_ms"}, "calibrate": {"input", "cluster.gpu.name"},
+             "profile": {"extra", "model.num_layers"}}[command]
+    assert reads <= keys
+    assert ("search.min_gain" in keys) == (command == "replan")  # another command's search key is not listed
+
+
+def test_help_meanings_are_the_records_docstrings(capsys):
+    """One declaration per setting: the help quotes the record's field docstring (its first sentence)."""
+    from megapipe.cli import main
+    from megapipe.config.keys import field_docs
+    from megapipe.records import ParallelSpec, TrainSpec
+
+    assert main(["plan", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert field_docs(TrainSpec)["micro_batch_size"] in text
+    assert field_docs(ParallelSpec)["virtual_pipeline_model_parallel_size"].split(";")[0] in text
+    assert "model=NAME" in text and "llama3_70b (default)" in text and "usage: megapipe plan [key=value" in text
+
+
 def test_command_help_is_the_commands_own(tmp_path):
     plan, partition = (megapipe(command, "--help", cwd=tmp_path) for command in ("plan", "partition"))
     assert plan.returncode == partition.returncode == 0
@@ -185,3 +223,4 @@ def test_a_failed_sweep_job_fails_the_sweep_and_report_marks_it(tmp_path):
     summary = json.loads(report.stdout)
     assert len(summary["rows"]) == 1 and len(summary["failed"]) == 1
     assert "no feasible plan" in summary["failed"][0]["error"]
+

@@ -195,3 +195,28 @@ def test_equal_split_that_does_not_fit_is_flagged(tmp_path, capsys):
     text = capsys.readouterr().out
     peak = max(stage["total_bytes"] for stage in summary["baseline"]["stages"]) / 2**30
     assert f"{peak:.1f}!" in text and "! does not fit memory" in text and "the equal split does not fit memory" in text
+
+
+def test_console_help_and_readme_name_the_files_the_plan_dir_holds(tmp_path, capsys):
+    """One list (plandir.PLAN_DIR_FILES): the console's files line names what the dir holds, in its order, the
+    pictures included; --help lists every file; README and docs/emit.md name each one, and no plan.log."""
+    from megapipe.plandir import PLAN_DIR_FILES
+
+    names = [name for name, _ in PLAN_DIR_FILES]
+    assert main(["plan", *TINY, f"output.dir={tmp_path / 'p'}"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("files in"))
+    held = sorted(path.name for path in (tmp_path / "p").iterdir())
+    listed = line.split(": ", 1)[1].split(", .hydra/")[0].split(", ")
+    assert sorted([*listed, ".hydra"]) == held and listed == [name for name in names if name in held]
+    assert {"gantt.png", "memory.png", "launch_megatron.sh", "launch_slurm.sbatch", "profile.yaml"} <= set(listed)
+    assert main(["plan", "--help"]) == 0
+    help_lines = capsys.readouterr().out.splitlines()
+    assert all(any(line.split()[:1] == [name] for line in help_lines) for name in names)
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as handle:
+        readme = handle.read()
+    paragraph = readme[readme.index("Each `megapipe plan` writes its own directory"):].split("\n\n")[0]
+    assert all(f"`{name}`" in paragraph for name in names) and ".log" not in paragraph
+    with open(os.path.join(root, "docs", "emit.md"), encoding="utf-8") as handle:
+        emit_doc = handle.read()
+    assert all(f"`{name}`" in emit_doc.split("## The plan dir")[1].split("\n## ")[0] for name in names)

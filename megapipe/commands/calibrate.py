@@ -50,7 +50,11 @@ from megapipe.validation.monitored import (
 )
 from megapipe.validation.report import runtime_yaml
 
-__all__ = ["CalibrateInputs", "CalibrateRunsInputs", "prepare", "run"]
+__all__ = ["CalibrateInputs", "CalibrateRunsInputs", "prepare", "run", "CONFIG_KEYS"]
+
+CONFIG_KEYS = ("input", "runtime", "model", "cluster", "parallel", "train", "schedule", "output.format", "output.dir")
+"""What `megapipe calibrate --help` lists (:mod:`megapipe.config.keys`): the runtime to start from for RUN_DIRs
+(model to schedule when a run has no plan.yaml), the cluster's GPU as the prior for PROFILEs."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

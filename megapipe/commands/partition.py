@@ -25,7 +25,13 @@ from megapipe.schedules import build
 from megapipe.simulate import SimResult, simulate
 from megapipe.units import GIB
 
-__all__ = ["PartitionInputs", "prepare", "run", "result_dict"]
+__all__ = ["PartitionInputs", "prepare", "run", "result_dict", "CONFIG_KEYS", "FILES"]
+
+CONFIG_KEYS = ("model", "cluster", "runtime", "parallel", "train", "schedule", "profile", "output.format",
+               "output.bridge_keys")
+"""What `megapipe partition --help` lists (:mod:`megapipe.config.keys`)."""
+FILES = ()
+"""It prints; it writes nothing."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

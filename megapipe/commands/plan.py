@@ -1,9 +1,10 @@
 """``megapipe plan``: search the parallel configuration, print the best plans, write the plan dir.
 
-Plan dir (``output.dir`` or Hydra's run directory): ``plan.yaml`` (megapipe-plan/1),
-``megatron_args.txt``, ``bridge_overrides.txt``, ``nemo2_overrides.txt``,
-``nemo1_overrides.txt``, ``profile.yaml`` (the layer costs used), ``gantt.png`` and
-``memory.png``. Every file is written atomically; plan.yaml holds no timestamps.
+Searches TP, PP, DP, CP, VP (and EP for MoE models), the micro-batch size, recompute and the
+schedule, with the layers split over the pipeline stages exactly; a parallel.* or train.* size
+left null is searched, one given is kept. Prints the ranked plans beside Megatron's equal split,
+where the best plan's step goes and the Megatron-LM command, and writes the plan dir: the files
+below, each atomically; the same inputs give the same bytes. A run that fails leaves no directory.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from megapipe.config.options import output_options, search_options
 from megapipe.emit import BridgeKeys, launch_line
 from megapipe.placement import node_ranges
 from megapipe.plan.document import json_summary
-from megapipe.plandir import write_plan
+from megapipe.plandir import GANTT_FILE, MEMORY_FILE, PLAN_DIR_FILES, write_plan
 from megapipe.plan.interval import format_interval
 from megapipe.plan.plans import SearchResult
 from megapipe.plan.search import search
@@ -28,7 +29,15 @@ from megapipe.options import OutputOptions, Reference, SearchOptions
 from megapipe.records import ClusterSpec, Profile, RuntimeSpec
 from megapipe.units import GIB
 
-__all__ = ["PlanInputs", "prepare", "run", "print_plans", "compare_line"]
+__all__ = ["PlanInputs", "prepare", "run", "print_plans", "compare_line", "CONFIG_KEYS", "FILES"]
+
+CONFIG_KEYS = ("model", "cluster", "runtime", "parallel", "train", "schedule", "search.objective", "search.top_k",
+               "search.allow_cross_node_tp", "search.bubble_target", "search.bubble_warning_range",
+               "search.ignore_memory_limit", "search.max_pipeline_model_parallel_size",
+               "search.max_virtual_pipeline_model_parallel_size", "search.per_stage_recompute",
+               "search.what_if_schedules", "search.reference", "output", "profile")
+"""What `megapipe plan --help` lists (:mod:`megapipe.config.keys`)."""
+FILES = PLAN_DIR_FILES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,14 +89,20 @@ def _progress_search(**kwargs) -> SearchResult:
         return search(progress=tick, **kwargs)
 
 
+def _picture_files(directory: str, result: SearchResult) -> tuple[str, ...]:
+    """The pictures :func:`_pictures` draws: the Gantt chart needs the best plan's simulation."""
+    names = (GANTT_FILE,) if result.best.simulation is not None else ()
+    return tuple(os.path.join(directory, name) for name in (*names, MEMORY_FILE))
+
+
 def _pictures(directory: str, result: SearchResult, *, usable_gib: float) -> None:
     from megapipe.report.plots import memory_chart
 
-    memory_chart(result.best, os.path.join(directory, "memory.png"), baseline=result.baseline, usable_gib=usable_gib)
+    memory_chart(result.best, os.path.join(directory, MEMORY_FILE), baseline=result.baseline, usable_gib=usable_gib)
     if result.best.simulation is not None:
         from megapipe.report.gantt import gantt_png
 
-        gantt_png(result.best.simulation, os.path.join(directory, "gantt.png"),
+        gantt_png(result.best.simulation, os.path.join(directory, GANTT_FILE),
                   title=f"{result.best.schedule}: {result.best.layout}")
 
 
@@ -102,14 +117,15 @@ def run(job: PlanInputs, *, directory: str) -> None:
     written = write_plan(directory, result=result, model=scenario.model, cluster=scenario.cluster, inputs=job.inputs,
                          bridge_keys=job.output.bridge_keys, extra=extra)
     emitted, nodes = written.emission.emitted, written.emission.nodes
+    files = written.files + (_picture_files(directory, result) if job.output.pictures else ())
     if job.output.json:
         print_json({**json_summary(result, moe=scenario.model.is_moe), "plan_dir": directory,
-                    "files": list(written.files), **extra, **({"node_gpus": list(nodes)} if nodes else {}),
+                    "files": list(files), **extra, **({"node_gpus": list(nodes)} if nodes else {}),
                     "emitted": emitted.as_dict() if emitted else None,
                     "launch": _launch_line(scenario.cluster, emitted) if emitted else None})
     else:
         print_plans(result, scenario=scenario, reference=job.search.reference, emitted=emitted, directory=directory,
-                    files=written.files, nodes=nodes)
+                    files=files, nodes=nodes)
     if job.output.pictures:  # after the answer: matplotlib takes longer than the search
         _pictures(directory, result, usable_gib=scenario.cluster.gpu.usable_memory_bytes / GIB)
 
@@ -300,13 +316,15 @@ def _print_notes(out, result: SearchResult, *, scenario: Scenario, emitted, node
 
 
 def _print_files(out, best, *, cluster, emitted, directory: str, files: tuple[str, ...]) -> None:
-    """The Megatron-LM command and the plan directory's files, or why none were written."""
+    """The Megatron-LM command, or why there is none, and the plan directory's files."""
+    names = ", ".join(os.path.basename(path) for path in files) + ", .hydra/ (the run's config)"
     if emitted is None:
         out.print(f"what-if: megatron-core cannot run {best.schedule}, so no Megatron arguments were written; plan "
                   "with schedule=1f1b or interleaved_1f1b for a plan to run", markup=False)
+        out.print(f"files in {directory}: {names}", markup=False, soft_wrap=True)
         return
     out.print(f"Megatron-LM: {_launch_line(cluster, emitted)}", markup=False, soft_wrap=True)
-    names = ", ".join(os.path.basename(path) for path in files)
-    out.print(f"files in {directory}: {names} (Megatron-Bridge overrides use "
-              f"{'flat model.* keys (0.6.x)' if emitted.bridge_keys == BridgeKeys.flat else 'model.transformer.* keys (Bridge main)'}"
-              "; add data, tokenizer and schedule flags)", markup=False, soft_wrap=True)
+    keys = ("flat model.* keys (0.6.x)" if emitted.bridge_keys == BridgeKeys.flat
+            else "model.transformer.* keys (Bridge main)")
+    out.print(f"files in {directory}: {names}; the Megatron-Bridge overrides use {keys}; add data, tokenizer and "
+              "schedule flags to the arguments", markup=False, soft_wrap=True)

@@ -29,7 +29,10 @@ from megapipe.options import OutputOptions
 from megapipe.profile.format import save_profile
 from megapipe.records import Profile
 
-__all__ = ["ProfileInputs", "prepare", "run", "profile_options"]
+__all__ = ["ProfileInputs", "prepare", "run", "profile_options", "CONFIG_KEYS"]
+
+CONFIG_KEYS = ("model", "cluster", "parallel", "train", "extra", "output.format", "output.dir")
+"""What `megapipe profile --help` lists (:mod:`megapipe.config.keys`)."""
 
 _KEYS = ("device", "warmup", "iters", "num_threads", "dtype", "out", "device_name")
 

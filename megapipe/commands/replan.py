@@ -1,4 +1,4 @@
-"""``megapipe replan RUN_DIR``: a better layout from a monitored run's measurements.
+r"""``megapipe replan RUN_DIR``: a better layout from a monitored run's measurements.
 
     megapipe replan outputs/run1                      # RUN_DIR holds plan.yaml, profile.yaml, rank-*.jsonl
     megapipe replan outputs/run1 profile=old.yaml model=tiny_gpt cluster=cpu_gloo \
@@ -36,7 +36,13 @@ from megapipe.plan.replan import MeasuredRun, Replan, replan
 from megapipe.profile.match import match_profile
 from megapipe.records import Profile
 
-__all__ = ["ReplanInputs", "prepare", "run", "result_dict"]
+__all__ = ["ReplanInputs", "prepare", "run", "result_dict", "CONFIG_KEYS", "FILES"]
+
+CONFIG_KEYS = ("input", "profile", "search.min_gain", "search.replan_attribution", "output.format", "output.dir",
+               "output.bridge_keys", "model", "cluster", "runtime", "parallel", "train", "schedule")
+"""What `megapipe replan --help` lists (:mod:`megapipe.config.keys`); model to schedule only without plan.yaml."""
+FILES = (("profile.yaml", "the corrected profile: the measured stage times attributed to their layers"),
+         ("replan.yaml", "the run's layout and the new one, their simulated steps, the gain and what to apply"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,7 @@
-"""``megapipe report DIR``: gather the plan dirs of a sweep into one table, CSV (+ Parquet) and a plot."""
+"""``megapipe report DIR``: gather the plan dirs of a sweep into one table, CSV (+ Parquet) and a plot.
+
+The files (sweep.csv, sweep.parquet when pyarrow is installed, sweep.png) go into DIR, or output.dir.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ from megapipe.config.options import output_options
 from megapipe.errors import ConfigError
 from megapipe.report.sweep import gather, write_tables
 
-__all__ = ["ReportInputs", "prepare", "run"]
+__all__ = ["ReportInputs", "prepare", "run", "CONFIG_KEYS"]
+
+CONFIG_KEYS = ("input", "output.format", "output.dir", "output.pictures")
+"""What `megapipe report --help` lists (:mod:`megapipe.config.keys`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""``megapipe simulate``: time one pipeline schedule (or all of them) and draw it.
+r"""``megapipe simulate``: time one pipeline schedule (or all of them) and draw it.
 
     megapipe simulate schedule=1f1b parallel.pipeline_model_parallel_size=8 train.num_microbatches=32
     megapipe simulate schedule=all stage_times='[[1,1,1],[1,1,1],[1,1,1],[1,1,1]]' \
@@ -33,7 +33,13 @@ from megapipe.options import OutputOptions
 from megapipe.simulate.bubble import WRITEUP_PERCENT, closed_form_bubble
 from megapipe.units import GIB
 
-__all__ = ["SimulateInputs", "prepare", "run", "result_dict", "times_from_triples"]
+__all__ = ["SimulateInputs", "prepare", "run", "result_dict", "times_from_triples", "CONFIG_KEYS", "FILES"]
+
+CONFIG_KEYS = ("model", "cluster", "runtime", "parallel", "train", "schedule", "stage_times", "profile",
+               "output.format", "output.dir", "output.pictures")
+"""What `megapipe simulate --help` lists (:mod:`megapipe.config.keys`)."""
+FILES = (("<schedule>_gantt.png", "each simulated schedule's ops, rank by rank over one step"),
+         ("<schedule>_trace.json", "the same ops as a Chrome trace: open it in Perfetto (ui.perfetto.dev)"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

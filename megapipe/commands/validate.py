@@ -59,7 +59,10 @@ from megapipe.validation.report import (
 )
 from megapipe.validation.runs import PublishedRun
 
-__all__ = ["ValidateInputs", "prepare", "run", "DOCS_BEGIN", "DOCS_END"]
+__all__ = ["ValidateInputs", "prepare", "run", "DOCS_BEGIN", "DOCS_END", "CONFIG_KEYS"]
+
+CONFIG_KEYS = ("input", "runtime", "validate", "output.format", "output.dir")
+"""What `megapipe validate --help` lists (:mod:`megapipe.config.keys`); each run brings its own model and cluster."""
 
 DOCS_BEGIN = "<!-- megapipe validate: begin -->"
 DOCS_END = "<!-- megapipe validate: end -->"

@@ -66,8 +66,10 @@ def record_schema(name: str, sources: Sequence[tuple[type, Sequence[str] | None]
 
     ``sources`` lists (record, field names or None for all); ``nullable`` fields become Optional with default
     null (searched, or derived at the boundary); ``nullable_required`` makes the record's required fields
-    nullable too (filled from a file), else they are MISSING; ``replace`` gives a field another (type, default);
-    ``extra`` adds settings no record holds (they are documented where the schema is declared).
+    nullable too (filled from a file), else they are MISSING; ``replace`` gives a field another (type, default)
+    and, where the setting means more than the record's field, its doc; ``extra`` adds settings no record holds,
+    as (type, default, doc). Each field's metadata names the record whose docstring documents it (``record``),
+    or holds its ``doc``: ``megapipe COMMAND --help`` reads them (:mod:`megapipe.config.keys`).
     """
     replace, extra, nullable = dict(replace or {}), dict(extra or {}), set(nullable)
     specs = []
@@ -77,8 +79,10 @@ def record_schema(name: str, sources: Sequence[tuple[type, Sequence[str] | None]
         for key in (names if names is not None else list(wanted)):
             item = wanted[key]
             kind = _schema_type(hints[key])
+            metadata = {"record": record}
             if key in replace:
-                kind, default = replace.pop(key)
+                kind, default, *doc = replace.pop(key)
+                metadata.update({"doc": doc[0]} if doc else {})
             elif item.default is not dataclasses.MISSING:
                 default = item.default
             elif item.default_factory is not dataclasses.MISSING:
@@ -90,17 +94,21 @@ def record_schema(name: str, sources: Sequence[tuple[type, Sequence[str] | None]
             if isinstance(default, tuple):  # tuples become lists; (key, value) tables become maps
                 default = ({k: (list(v) if len(v) > 1 else v[0]) for k, *v in default} if _is_table(hints[key])
                            else list(default))
-            value = (field(default_factory=lambda d=default: type(d)(d)) if isinstance(default, (list, dict))
-                     else field(default=default))
-            specs.append((key, kind, value))
+            specs.append((key, kind, _field(default, metadata)))
     if replace:
         raise TypeError(f"{name}: replace names no record field: {sorted(replace)}")
-    for key, (kind, default) in extra.items():
-        specs.append((key, kind, field(default_factory=lambda d=default: type(d)(d)) if isinstance(default, (list, dict))
-                      else field(default=default)))
+    for key, (kind, default, doc) in extra.items():
+        specs.append((key, kind, _field(default, {"doc": doc})))
     schema = dataclasses.make_dataclass(name, specs)
     schema.__module__ = __name__
     return schema
+
+
+def _field(default, metadata: dict):
+    """A schema field; a list or dict default is copied for each instance."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 class Objective(str, enum.Enum):
@@ -115,12 +123,13 @@ class OutputFormat(str, enum.Enum):
 
 ModelConfig = record_schema(
     "ModelConfig", [(ModelSpec, None)], nullable_required=True,
-    replace={"moe_layer_freq": (Any, 1)},
-    extra={"source": (str, ""), "config_path": (Optional[str], None)},
+    replace={"moe_layer_freq": (Any, 1, "Megatron's --moe-layer-freq: an int N (layer i is MoE when i % N == 0) "
+                                        "or a 0/1 list per layer.")},
+    extra={"source": (str, "", "Where the model's numbers come from (a paper, a config.json)."),
+           "config_path": (Optional[str], None, "A Hugging Face config.json to read the model from (model=hf).")},
 )
 """model/: ModelSpec's fields. A required field may be null when model.config_path (a Hugging Face
-config.json) fills it. moe_layer_freq is Megatron's --moe-layer-freq: an int N (layer i is MoE when i % N == 0)
-or a 0/1 list per layer. source: where the values come from. config_path: model=hf's config.json."""
+config.json) fills it."""
 
 GpuConfig = record_schema("GpuConfig", [(GpuSpec, None)])
 """A GPU type: GpuSpec's fields."""
@@ -138,13 +147,19 @@ class NodeGroupConfig:
 @dataclass
 class ClusterConfig:
     name: str = MISSING
+    """The cluster's name (its hydra_conf/cluster option)."""
     num_nodes: int = MISSING
+    """Nodes of a homogeneous cluster (a mixed one counts its node_groups')."""
     gpus_per_node: int = MISSING
+    """GPUs in each node."""
     price_per_gpu_hour: float = MISSING
     """US dollars per GPU-hour."""
     gpu: GpuConfig = MISSING
+    """The GPU of a homogeneous cluster: its datasheet figures and measured kernel efficiencies."""
     intra_node: LinkConfig = MISSING
+    """The link inside a node (or NVLink domain): NVLink, xGMI."""
     inter_node: LinkConfig = MISSING
+    """The link between nodes: InfiniBand, RoCE, Ethernet."""
     node_groups: List[NodeGroupConfig] = field(default_factory=list)
     """Mixed clusters: node groups in pipeline-placement order; empty for a homogeneous cluster."""
     scale_up_gpus: int = 0
@@ -180,16 +195,17 @@ TrainConfig = record_schema(
     nullable=("micro_batch_size", "seq_length", "recompute_granularity", "fp8_recipe", "fp8_param_gather",
               "moe_permute_fusion", "moe_router_fusion", "cuda_graph_impl", "cuda_graph_scope", "recompute_modules"),
     replace={"global_batch_size": (int, 256)},
-    extra={"num_microbatches": (Optional[int], None), "total_tokens": (float, 2.0e12)},
+    extra={"num_microbatches": (Optional[int], None, "Microbatches per step; null derives them (global_batch_size / "
+                                                     "(micro_batch_size x DP)); when set, plan searches only the "
+                                                     "candidates that give it."),
+           "total_tokens": (float, 2.0e12, "The whole training run's tokens, for its cost estimate.")},
 )
 """train/: TrainSpec's fields and RuntimeFeatures' kernel and graph fields. A null micro_batch_size or
 recompute_granularity is searched; a null seq_length is model.seq_length; a null fp8_recipe is mxfp8 on
 Blackwell, else tensorwise; a null fp8_param_gather is on with the distributed optimizer (as Megatron-Bridge's
 FP8 recipes), off for blockwise; moe_permute_fusion and moe_router_fusion null are on in `megapipe plan` (as
 every Megatron-Bridge MoE recipe), Megatron's off elsewhere; cuda_graph_impl and cuda_graph_scope null are
-searched for MoE plans, none elsewhere; recompute_modules null is Megatron's [core_attn]. num_microbatches is
-derived (global_batch_size / (micro_batch_size x DP)); set it only to simulate directly. total_tokens: the
-whole run's tokens, for the cost estimate."""
+searched for MoE plans, none elsewhere; recompute_modules null is Megatron's [core_attn]."""
 
 
 @dataclass
@@ -214,14 +230,19 @@ class ReferenceConfig:
 @dataclass
 class SearchConfig:
     objective: Objective = Objective.throughput
+    """throughput (tokens/s/GPU, highest first) or cost ($ per 1M tokens, lowest first)."""
     allow_cross_node_tp: bool = False
+    """Also search TP groups wider than a node (or NVLink domain)."""
     bubble_target: Optional[List[float]] = None
     """[low, high]: pick the micro-batch size whose bubble falls in this range."""
     bubble_warning_range: Optional[List[float]] = None
     """[low, high]: warn when a plan's bubble falls outside it; null warns never."""
     ignore_memory_limit: bool = False
+    """Keep plans that do not fit memory, flagged with the GiB over."""
     top_k: int = 5
+    """Plans ranked in the table and plan.yaml."""
     max_pipeline_model_parallel_size: Optional[int] = None
+    """Largest PP searched; null: up to one decoder layer per stage."""
     max_virtual_pipeline_model_parallel_size: Optional[int] = None
     """Most model chunks per pipeline rank searched; null: every VP Megatron allows (one decoder layer a chunk)."""
     per_stage_recompute: bool = False
@@ -242,9 +263,11 @@ class SearchConfig:
 @dataclass
 class OutputConfig:
     format: OutputFormat = OutputFormat.table
+    """table (for people) or json (one JSON object on stdout)."""
     dir: Optional[str] = None
-    """Where files go; null means Hydra's output directory."""
+    """Where files go; null: outputs/<command>/<date>_<time>, made only when the command writes a file."""
     pictures: bool = True
+    """Draw the PNG pictures (and, for simulate, the traces); false skips them."""
     bridge_keys: str = "flat"
     """Megatron-Bridge spelling: flat (model.*, released 0.6.x) or nested (model.transformer.*, Bridge main)."""
 
@@ -325,7 +348,8 @@ class Config:
     stage_times: Optional[List[List[Any]]] = None
     """Per-stage [F, B, W] in ms for `megapipe simulate` (ints or floats; checked by the command)."""
     input: Optional[str] = None
-    """The positional argument of commands that take a path (report DIR, replan RUN_DIR)."""
+    """The positional argument of commands that take a path (report DIR, replan RUN_DIR, calibrate RUN_DIR or
+    PROFILE, validate RUNS.yaml)."""
     extra: Any = None
     """Free-form settings for commands (e.g. profile iterations); not validated."""
 
