@@ -21,6 +21,8 @@ __all__ = [
     "Recompute",
     "LayerKind",
     "ModelSpec",
+    "MOE_MODEL_FIELDS",
+    "MLA_MODEL_FIELDS",
     "GpuSpec",
     "LinkSpec",
     "NodeGroup",
@@ -226,6 +228,22 @@ class ModelSpec:
         if not self.moe_layer_freq:
             return (True,) * self.num_layers
         return tuple(bool(v) for v in self.moe_layer_freq)
+
+    @property
+    def unused_fields(self) -> tuple[str, ...]:
+        """The fields that do not apply to this model: the MoE ones of a dense model, the MLA ones without
+        multi-latent attention (a plan's record leaves them out)."""
+        return (() if self.is_moe else MOE_MODEL_FIELDS) + (() if self.multi_latent_attention else MLA_MODEL_FIELDS)
+
+
+MOE_MODEL_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
+                    "moe_layer_freq", "moe_router_score_function", "moe_router_pre_softmax",
+                    "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+                    "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
+"""ModelSpec's mixture-of-experts fields."""
+MLA_MODEL_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                    "v_head_dim")
+"""ModelSpec's multi-latent-attention fields."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -365,6 +365,11 @@ def test_plan_yaml_records_the_expert_sizes(dsv3_dir):
     assert par["expert_model_parallel_size"] == 16 and par["expert_tensor_parallel_size"] == 1
     assert par["expert_data_parallel_size"] == 32 * 8 // 16 // 16 * 1  # stage ranks (DP 16) over EP 16: 1
     assert par["moe_token_dispatcher_type"] == "alltoall"
+    from megapipe.records import MLA_MODEL_FIELDS, MOE_MODEL_FIELDS
+
+    for section in (doc["model"], doc["inputs"]["model"]):  # a MoE model with MLA keeps both groups of fields
+        assert set(MOE_MODEL_FIELDS) | set(MLA_MODEL_FIELDS) <= set(section)
+    assert doc["model"]["num_moe_experts"] == 256 and doc["model"]["q_lora_rank"] == 1536
 
 
 def test_features_not_modelled_are_warned_about_loudly(tmp_path):

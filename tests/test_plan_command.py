@@ -220,3 +220,21 @@ def test_console_help_and_readme_name_the_files_the_plan_dir_holds(tmp_path, cap
     with open(os.path.join(root, "docs", "emit.md"), encoding="utf-8") as handle:
         emit_doc = handle.read()
     assert all(f"`{name}`" in emit_doc.split("## The plan dir")[1].split("\n## ")[0] for name in names)
+
+
+def test_dense_plan_yaml_leaves_out_moe_and_mla_fields(tmp_path, capsys):
+    """A dense model's record has no MoE or MLA fields (model and inputs.model), and reads back to the same model."""
+    from omegaconf import OmegaConf
+
+    from megapipe.config import compose, to_scenario
+    from megapipe.records import MLA_MODEL_FIELDS, MOE_MODEL_FIELDS
+
+    assert main(["plan", *TINY, f"output.dir={tmp_path}", "output.pictures=false", "output.format=json"]) == 0
+    capsys.readouterr()
+    doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    for section in (doc["model"], doc["inputs"]["model"]):
+        assert not (set(MOE_MODEL_FIELDS) | set(MLA_MODEL_FIELDS)) & set(section)
+        assert section["num_layers"] == 4
+    assert to_scenario(OmegaConf.create(doc["inputs"])).model == to_scenario(compose(TINY)).model
+    mixtral = to_scenario(compose(["model=mixtral_8x7b"]), search=True).model
+    assert mixtral.unused_fields == MLA_MODEL_FIELDS  # MoE without MLA: only the MLA fields go

@@ -23,10 +23,20 @@ def _link(link: LinkSpec) -> dict:
 
 
 def _model(model: ModelSpec) -> dict:
-    out = asdict(model)
+    """The model record without the fields that do not apply to it (a dense model's MoE fields, MLA's without MLA):
+    read back, their defaults are what they leave out."""
+    out = {key: value for key, value in asdict(model).items() if key not in model.unused_fields}
     out["activation"] = model.activation.value
     out["attention_backend"] = model.attention_backend.value
     return out
+
+
+def _inputs(inputs: dict, model: ModelSpec) -> dict:
+    """The resolved config, its model group without the fields that do not apply (as :func:`_model`)."""
+    group = inputs.get("model")
+    if not isinstance(group, dict):
+        return inputs
+    return {**inputs, "model": {key: value for key, value in group.items() if key not in model.unused_fields}}
 
 
 def _cluster(cluster: ClusterSpec) -> dict:
@@ -65,7 +75,7 @@ def plan_document(*, result: SearchResult, model: ModelSpec, cluster: ClusterSpe
         },
         **_plans(result, moe=model.is_moe),
         "search": _stats(result),
-        "inputs": inputs,
+        "inputs": _inputs(inputs, model),
     }
     if result.hetero_gain is not None:
         doc["hetero_gain_over_equal_split"] = float(f"{result.hetero_gain:.12g}")
