@@ -35,7 +35,8 @@ _NEMO1_FILE = "nemo1_overrides.txt"
 PLAN_TEXT_FILES = (("megatron_args.txt", "megatron_command"), ("bridge_overrides.txt", "bridge_command"),
                    ("nemo2_overrides.txt", "nemo2_command"), (_NEMO1_FILE, "nemo1_command"))
 """The plan dir's argument files and the :class:`~megapipe.emit.Emitted` line each holds: one shell-quoted
-line, to paste after the command or to use as ``eval "torchrun ... pretrain_gpt.py $(cat megatron_args.txt)"``."""
+line, to paste after the command or to use as ``eval "torchrun ... pretrain_gpt.py $(cat megatron_args.txt)"``;
+when NeMo 1 cannot run the plan as planned, a comment line before the NeMo 1 line says why."""
 LAUNCH_FILE = "launch_megatron.sh"
 SLURM_FILE = "launch_slurm.sbatch"
 NODE_RANKS_FILE = "node_ranks.txt"
@@ -47,7 +48,7 @@ PLAN_DIR_FILES = (
     ("megatron_args.txt", "the Megatron-LM arguments, one shell-quoted line"),
     ("bridge_overrides.txt", "Megatron-Bridge overrides, one shell line"),
     ("nemo2_overrides.txt", "NeMo 2 overrides, one shell line"),
-    (_NEMO1_FILE, "NeMo 1 overrides, one shell line"),
+    (_NEMO1_FILE, "NeMo 1 overrides, one shell line; a first # line says why when NeMo 1 cannot run them as planned"),
     (LAUNCH_FILE, "torchrun on each node: NODE_RANK=n MASTER_ADDR=host MEGATRON_LM=checkout bash launch_megatron.sh"),
     (SLURM_FILE, "the same on Slurm: MEGATRON_LM=checkout sbatch launch_slurm.sbatch"),
     (NODE_RANKS_FILE, "mixed clusters only: the GPU type each node rank must run on"),
@@ -134,7 +135,8 @@ def _write_files(directory: str, *, document: dict, emission: Emission, profile:
     if emission.emitted is not None:
         for name, attribute in PLAN_TEXT_FILES:
             written.append(os.path.join(directory, name))
-            atomic_write_text(written[-1], getattr(emission.emitted, attribute) + "\n")
+            text = getattr(emission.emitted, attribute) + "\n"
+            atomic_write_text(written[-1], _caveat(name, emission.emitted) + text)
         written.append(os.path.join(directory, LAUNCH_FILE))
         atomic_write_text(written[-1], emission.launch)
         make_executable(written[-1])
@@ -148,6 +150,13 @@ def _write_files(directory: str, *, document: dict, emission: Emission, profile:
         save_profile(profile, written[-1])
     return tuple(written)
 
+
+def _caveat(name: str, emitted: Emitted) -> str:
+    """A comment line opening an argument file its front end cannot run as planned, saying why (NeMo 1 only: the
+    other front ends take every plan megatron-core runs)."""
+    if name != _NEMO1_FILE or not emitted.nemo1_unrunnable:
+        return ""
+    return f"# NeMo 1 cannot run this plan as planned: {'; '.join(emitted.nemo1_unrunnable)}\n"
 
 
 def checked_plan_document(document: object, *, source: str = "plan") -> dict:

@@ -25,12 +25,17 @@ sys.path[:0] = [os.path.join(_ROOT, "tests"), _ROOT]
 
 
 def apply_overrides(cfg: DictConfig, path: str) -> list[str]:
-    """Merge nemo1_overrides.txt lines (``model.x=v``, ``++model.y=v``) into cfg; returns the keys."""
+    """Merge nemo1_overrides.txt's overrides (``model.x=v``, ``++model.y=v``, shell-quoted, on one line after any
+    ``#`` comment line) into cfg; returns the keys."""
+    import shlex
+
     from megapipe.errors import ConfigError
 
     if not os.path.isfile(path):
         raise ConfigError(f"megapipe.overrides={path!r} does not exist; pass the nemo1_overrides.txt of a plan dir")
-    lines = [line.strip().lstrip("+") for line in open(path, encoding="utf-8") if line.strip()]
+    with open(path, encoding="utf-8") as handle:
+        text = "".join(line for line in handle if not line.lstrip().startswith("#"))
+    lines = [token.lstrip("+") for token in shlex.split(text)]
     OmegaConf.set_struct(cfg, False)
     cfg.merge_with(OmegaConf.from_dotlist(lines))
     return [line.split("=", 1)[0] for line in lines]

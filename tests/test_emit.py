@@ -227,6 +227,12 @@ def test_fp8_and_tp_overlap_for_every_front_end():
     assert "--tp-comm-overlap" not in args
     assert "mixed_precision=bf16_with_mxfp8_mixed" in out.bridge_overrides
     assert any("sets fp8_param_gather=True, the plan fp8_param_gather=False" in w for w in out.warnings)
+    # NeMo 1 has delayed scaling only: model.fp8_hybrid=true next to an MXFP8 plan cannot run as planned
+    assert "model.fp8_hybrid=true" in out.nemo1_overrides
+    (reason,) = out.nemo1_unrunnable
+    assert "fp8_recipe=mxfp8 cannot be expressed" in reason and reason in out.warnings
+    delayed = dataclasses.replace(mxfp8, fp8_recipe="delayed")
+    assert emit_for(part, case["parallel"], delayed, model=LLAMA3_70B, gpu=H100).nemo1_unrunnable == ()
     no_sp = dataclasses.replace(parallel, sequence_parallel=False)
     assert "--tp-comm-overlap" not in emit_for(part, no_sp, case["train"], model=LLAMA3_70B).megatron_args
 
@@ -260,11 +266,15 @@ def test_nemo1_warns_on_uneven_split_only():
     uneven = emit_for(make_partition(UNEVEN, pp=4), TP4_PP4, TrainSpec())
     (warning,) = uneven.warnings
     assert "cannot be expressed" in warning and "9/11/11/9" in warning and "10 decoder layers" in warning
+    assert uneven.nemo1_unrunnable == ()  # it runs, split equally
     even = parse_layout("Et*10|t*10|t*10|t*10L")
     assert emit_for(make_partition(even, pp=4), TP4_PP4, TrainSpec()).warnings == ()
     odd = parse_layout("Et*10|t*10|t*10|t*11L")
-    (warning,) = emit_for(make_partition(odd, pp=4), TP4_PP4, TrainSpec()).warnings
+    out = emit_for(make_partition(odd, pp=4), TP4_PP4, TrainSpec())
+    (warning,) = out.warnings
     assert "will reject" in warning
+    assert out.nemo1_unrunnable == ("num_layers=41 does not divide over 4 model chunks (no layout key), so NeMo 1 "
+                                    "rejects these overrides",)
 
 
 def test_sequence_parallel_without_tensor_parallel_is_dropped_with_warning():

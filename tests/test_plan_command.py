@@ -238,3 +238,18 @@ def test_dense_plan_yaml_leaves_out_moe_and_mla_fields(tmp_path, capsys):
     assert to_scenario(OmegaConf.create(doc["inputs"])).model == to_scenario(compose(TINY)).model
     mixtral = to_scenario(compose(["model=mixtral_8x7b"]), search=True).model
     assert mixtral.unused_fields == MLA_MODEL_FIELDS  # MoE without MLA: only the MLA fields go
+
+
+def test_nemo1_file_says_why_nemo1_cannot_run_the_plan(tmp_path, capsys):
+    """4 layers over PP 2 x VP 3 chunks: NeMo 1 has no layout key and cannot split them equally. Its file opens
+    with the reason as a comment (the console warns too); the overrides follow on the next line."""
+    assert main(["plan", *TINY, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
+                 "parallel.virtual_pipeline_model_parallel_size=3", f"output.dir={tmp_path}",
+                 "output.pictures=false"]) == 0
+    text = capsys.readouterr().out
+    assert "warning: NeMo 1 has no per-stage key" in text and "so NeMo 1 will reject it" in text
+    comment, overrides = (tmp_path / "nemo1_overrides.txt").read_text().splitlines()
+    assert comment == ("# NeMo 1 cannot run this plan as planned: num_layers=4 does not divide over 6 model chunks "
+                       "(no layout key), so NeMo 1 rejects these overrides")
+    assert "model.virtual_pipeline_model_parallel_size=3" in shlex.split(overrides)
+    assert not (tmp_path / "megatron_args.txt").read_text().startswith("#")

@@ -38,6 +38,9 @@ class Emitted:
     nemo1_overrides: tuple[str, ...]
     warnings: tuple[str, ...] = ()
     """Settings that could not be expressed as planned."""
+    nemo1_unrunnable: tuple[str, ...] = ()
+    """Why NeMo 1 cannot run the plan as planned (also among the warnings): it rejects the layer split, or it
+    cannot set the plan's FP8 recipe. The plan dir's nemo1_overrides.txt says so on its first line."""
 
     @property
     def megatron_command(self) -> str:
@@ -135,6 +138,19 @@ def _nemo1_warnings(stage_kinds: StageKinds, parallel: ParallelSpec) -> list[str
     return warnings
 
 
+def _nemo1_unrunnable(stage_kinds: StageKinds, parallel: ParallelSpec, train: TrainSpec) -> tuple[str, ...]:
+    """What stops NeMo 1 running the plan as planned: a layer count that does not divide over the model chunks
+    (it has no layout key, and Megatron's equal split needs one), or an FP8 recipe other than delayed scaling."""
+    reasons = list(nemo1_precision(train, parallel)[1])
+    num_layers = sum(kind == LayerKind.decoder for kinds in stage_kinds for kind in kinds)
+    pp, vp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    if equal_stage_kinds(num_layers=num_layers, pipeline_model_parallel_size=pp,
+                         virtual_pipeline_model_parallel_size=vp) is None:
+        reasons.append(f"{num_layers=} does not divide over {pp * vp} model chunks (no layout key), so NeMo 1 "
+                       "rejects these overrides")
+    return tuple(reasons)
+
+
 def _delay_wgrad_requirement(model: ModelSpec, parallel: ParallelSpec) -> str:
     """The Transformer Engine delay_wgrad_compute needs, as Megatron-LM checks it at start-up (validate_args,
     TransformerConfig): 2.8 with --overlap-grad-reduce; 2.10 with TE CUDA graphs; at megatron-core 0.19 and later
@@ -225,4 +241,5 @@ def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, mode
                                                     gpus_per_node=gpus_per_node)),
         nemo1_overrides=to_overrides(nemo1_settings(parallel=parallel, train=train, model=model)),
         warnings=tuple(warnings + _nemo1_warnings(partition.stage_kinds, parallel)),
+        nemo1_unrunnable=_nemo1_unrunnable(partition.stage_kinds, parallel, train),
     )
