@@ -224,3 +224,20 @@ def test_a_failed_sweep_job_fails_the_sweep_and_report_marks_it(tmp_path):
     assert len(summary["rows"]) == 1 and len(summary["failed"]) == 1
     assert "no feasible plan" in summary["failed"][0]["error"]
 
+
+def test_simulate_says_what_it_timed_what_write_up_means_and_where_the_files_went(tmp_path, capsys):
+    from megapipe.cli import main
+
+    assert main(["simulate", "schedule=1f1b", "stage_times=[[1,1,1],[1,1,1],[1,1,1],[1,1,1]]",
+                 "train.num_microbatches=8", f"output.dir={tmp_path / 's'}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("megapipe simulate: the stage_times given, PP=4, 8 microbatches")
+    assert any(line.startswith("write-up: the bubble the write-ups' table prints") for line in lines)
+    assert lines[-1].startswith(f"files in {tmp_path / 's'}: 1f1b_gantt.png, 1f1b_trace.json")
+    assert sorted(path.name for path in (tmp_path / "s").iterdir()) == [".hydra", "1f1b_gantt.png", "1f1b_trace.json"]
+    assert main(["simulate", "schedule=1f1b", "parallel.pipeline_model_parallel_size=8", "train.num_microbatches=32",
+                 "output.pictures=false"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("megapipe simulate: llama3_70b on 128 x h100_80gb (cost model), TP=4 CP=1 DP=4 PP=8, "
+                               "32 microbatches")
+    assert not any(line.startswith("files in") for line in lines) and not (tmp_path / "outputs").exists()

@@ -8,7 +8,9 @@ Per-stage times come from ``stage_times`` (one [F, B, W] per layout stage in ms,
 B the input-gradient part; or one per rank, split evenly over the rank's chunks),
 else from ``profile=FILE`` or the cost model through the optimal partition of the
 configured model on the cluster (with the cluster's p2p cost between neighbours).
-Prints a summary (a row per schedule for ``schedule=all``) or, for
+Prints a summary (a row per schedule for ``schedule=all``) titled with where the
+stage times came from (the model on the cluster, a profile, or ``stage_times``), with
+the columns explained under it, and where the files went; or, for
 ``output.format=json``, one JSON object (keyed by schedule for ``schedule=all``).
 Writes ``<schedule>_gantt.png`` and ``<schedule>_trace.json`` (Perfetto) into the
 output directory unless ``output.pictures=false``.
@@ -158,12 +160,26 @@ def _write_pictures(result: SimResult, directory: str) -> list[str]:
             write_trace(result, os.path.join(directory, f"{name}_trace.json"))]
 
 
-def _print_table(scenario: Scenario, rows: dict, notes: list[str]) -> None:
+def _title(job: SimulateInputs, rows: dict) -> str:
+    """What was simulated: the model on the cluster with the sizes its costs depend on, or the stage times given."""
+    scenario = job.scenario
+    sizes = [row["pipeline_model_parallel_size"] for row in rows.values() if "error" not in row]
+    pipeline = f"PP={sizes[0] if sizes else _pipeline_size(job)}, {scenario.num_microbatches} microbatches"
+    if job.stage_times is not None:
+        return f"megapipe simulate: the stage_times given, {pipeline}"
+    par, train, cluster = scenario.parallel, scenario.train, scenario.cluster
+    costs = f"profile {job.profile_path}" if job.profile_path else "cost model"
+    return (f"megapipe simulate: {scenario.model.name} on {cluster.num_gpus} x {cluster.gpu.name}"
+            f"{' (mixed)' if cluster.is_heterogeneous else ''} ({costs}), TP={par.tensor_model_parallel_size} "
+            f"CP={par.context_parallel_size} DP={par.data_parallel_size} {pipeline}, micro-batch "
+            f"{train.micro_batch_size}, seq_length {train.seq_length:,}, {train.precision}")
+
+
+def _print_table(job: SimulateInputs, rows: dict, notes: list[str], directory: str) -> None:
     from rich.table import Table
 
     out = console(soft_wrap=True, width=120)
-    par = scenario.parallel
-    table = Table(title=f"P={par.pipeline_model_parallel_size}, {scenario.num_microbatches} microbatches")
+    table = Table(title=_title(job, rows), title_justify="left")
     for column in ("schedule", "v", "step ms", "bubble", "steady", "closed form", "write-up", "peak in flight",
                    "peak act GiB"):
         table.add_column(column, justify="right")
@@ -180,9 +196,18 @@ def _print_table(scenario: Scenario, rows: dict, notes: list[str]) -> None:
             f"{max(s['peak_activation_bytes'] for s in row['stages']) / GIB:.2f}",
         )
     out.print(table)
-    out.print("closed form: equal stages with F = B = W; steady: each rank's own first-to-last-op span")
+    out.print("bubble: the share of the step the ranks sit idle (fill, drain, uneven stages); steady: the same within "
+              "each rank's own first-to-last-op span; closed form: the papers' formula for equal stages with "
+              "F = B = W (- where none is published)", markup=False)
+    out.print("write-up: the bubble the write-ups' table prints for this schedule at this many stages (it lists 8 and "
+              "32 stages only, - elsewhere, and names no microbatch count: docs/validation.md compares it with the "
+              "closed forms)", markup=False)
     for note in notes:
-        out.print(f"note: {note}")
+        out.print(f"note: {note}", markup=False)
+    files = [os.path.basename(path) for row in rows.values() for path in row.get("files", ())]
+    if files:
+        out.print(f"files in {directory}: {', '.join(files)} (Gantt charts; the traces open in Perfetto, "
+                  "ui.perfetto.dev)", markup=False)
 
 
 def prepare(cfg: DictConfig) -> SimulateInputs:
@@ -212,4 +237,4 @@ def run(job: SimulateInputs, *, directory: str) -> None:
             document = {**document, "notes": notes}
         print_json(document)
     else:
-        _print_table(scenario, rows, notes)
+        _print_table(job, rows, notes, directory)
