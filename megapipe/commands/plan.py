@@ -309,7 +309,7 @@ def _print_notes(out, result: SearchResult, *, scenario: Scenario, emitted, node
     if scenario.model.is_moe:
         out.print(moe_assumptions(best, cluster.runtime), markup=False, soft_wrap=True)
     for warning in (*best.warnings, *(emitted.warnings if emitted else ())):
-        out.print(f"warning: {warning}", markup=False)
+        out.print(f"warning: {warning}", markup=False, soft_wrap=True)
     if nodes:
         out.print(f"node ranks and their GPU type (start node rank n on such a node): {node_ranges(nodes)}",
                   markup=False)
