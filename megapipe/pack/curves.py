@@ -17,6 +17,7 @@ from megapipe.errors import MegapipeError
 from megapipe.plan.plans import Plan, SearchResult
 from megapipe.options import SearchOptions
 from megapipe.plan.search import search
+from megapipe.plan.unit_costs import SharedCosts
 from megapipe.records import ClusterSpec, JobSpec, NodeGroup
 
 __all__ = ["Option", "CurveCache", "default_node_counts", "job_options", "sub_cluster"]
@@ -70,9 +71,12 @@ class CurveCache:
     options: SearchOptions = CURVE_OPTIONS
     found: dict = field(default_factory=dict)
     searches: int = 0
+    costs: dict = field(default_factory=dict)
+    """SharedCosts by (job shape, group): every node count and pipeline size of a shape prices its layers once."""
 
     def best(self, job: JobSpec, group: int, nodes: int, pipeline: int | None = None) -> SearchResult | None:
-        key = (job.model, job.train, job.max_micro_batch_size, job.template, job.fixed, group, nodes, pipeline)
+        shape = (job.model, job.train, job.max_micro_batch_size, job.template, job.fixed, group)
+        key = (*shape, nodes, pipeline)
         if key not in self.found:
             self.searches += 1
             options = self.options
@@ -87,7 +91,8 @@ class CurveCache:
                 self.found[key] = search(model=job.model, cluster=sub_cluster(self.cluster, group, nodes),
                                          train=job.train, fixed=fixed, options=options, template=template,
                                          use_distributed_optimizer=template.use_distributed_optimizer,
-                                         microbatch_group_size_per_vp_stage=template.microbatch_group_size_per_vp_stage)
+                                         microbatch_group_size_per_vp_stage=template.microbatch_group_size_per_vp_stage,
+                                         shared=self.costs.setdefault(shape, SharedCosts()))
             except MegapipeError:
                 self.found[key] = None
         return self.found[key]

@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapipe import partition, schedules
+from megapipe.errors import MegapipeError
 from megapipe.plan.bounds import pipeline_floor_ms
 from megapipe.plan.breakdown import step_breakdown
 from megapipe.plan.candidate_bounds import CandidateBounds
 from megapipe.plan.layer_costs import LayerCosts
+from megapipe.plan.unit_costs import SharedCosts
 from megapipe.plan.metrics import plan_record
 from megapipe.plan.per_stage_recompute import per_stage_partition
 from megapipe.plan.plans import Candidate, Plan, StageUsage
@@ -70,14 +72,18 @@ class Evaluator:
     """Evaluates candidates of one (model, cluster) scenario; holds its caches, nothing global."""
 
     def __init__(self, *, model: ModelSpec, cluster: ClusterSpec, options: SearchOptions = SearchOptions(),
-                 profile: Profile | None = None, schedules: dict | None = None):
-        """``schedules``: a cache of built schedules to share with other evaluators (they depend on sizes only)."""
+                 profile: Profile | None = None, schedules: dict | None = None, shared: SharedCosts | None = None):
+        """``schedules``: a cache of built schedules to share with other evaluators (they depend on sizes only);
+        ``shared``: unit costs and schedules to share with other searches of the model on one node group."""
         self.model = model
         self.cluster = cluster
         self.options = options
-        self.costs = LayerCosts(model=model, cluster=cluster, profile=profile)
+        self.costs = LayerCosts(model=model, cluster=cluster, profile=profile, shared=shared)
+        if schedules is None and shared is not None:
+            schedules = shared.schedules
         self.bounds = CandidateBounds(costs=self.costs, options=options)
         self._schedules: dict[tuple, object] = {} if schedules is None else schedules
+        self._shared = shared if profile is None else None
 
     # -- exact -----------------------------------------------------------------------
     def schedule(self, cand: Candidate):
@@ -113,6 +119,13 @@ class Evaluator:
         ``check_memory`` None follows ``search.ignore_memory_limit``; False keeps a split that does
         not fit (the plan is then flagged infeasible with the GiB over).
         """
+        if self._shared is None or method != "optimal" or check_memory is not None or layout:
+            return self._prepare(cand, method=method, gpus=gpus, check_memory=check_memory, layout=layout)
+        return _remembered(self._shared.prepared, (self.cluster, self.options, cand, gpus),
+                           lambda: self._prepare(cand, method=method, gpus=gpus, check_memory=None, layout=""))
+
+    def _prepare(self, cand: Candidate, *, method: str, gpus: tuple[GpuSpec, ...] | None, check_memory: bool | None,
+                 layout: str) -> Prepared:
         pp = cand.parallel.pipeline_model_parallel_size
         gpus = gpus or (self.cluster.gpu,) * pp
         if check_memory is None:
@@ -134,6 +147,12 @@ class Evaluator:
 
     def finish(self, prepared: Prepared) -> Plan:
         """Simulate a prepared candidate's schedule and price the plan; raises ScheduleError."""
+        if self._shared is not None and self._shared.prepared.get(
+                (self.cluster, self.options, prepared.cand, prepared.gpus)) is prepared:
+            return _remembered(self._shared.finished, id(prepared), lambda: self._finish(prepared))
+        return self._finish(prepared)
+
+    def _finish(self, prepared: Prepared) -> Plan:
         cand = prepared.cand
         p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
         sim = simulate(self.schedule(cand), prepared.times, p2p=p2p)
@@ -200,3 +219,15 @@ class Evaluator:
                                                                        train=cand.train),
                            moe=self.model.is_moe)
 
+
+def _remembered(memo: dict, key, compute):
+    """``compute()`` once per key; an error it raises (infeasible, schedule) is raised again for the same key."""
+    found = memo.get(key)
+    if found is None:
+        try:
+            found = memo[key] = compute()
+        except MegapipeError as error:
+            found = memo[key] = error
+    if isinstance(found, MegapipeError):
+        raise found
+    return found

@@ -12,7 +12,7 @@ from __future__ import annotations
 from megapipe import cost
 from megapipe.placement import modelled_stage_specs
 from megapipe.plan.plans import Candidate
-from megapipe.plan.unit_costs import UnitCosts
+from megapipe.plan.unit_costs import SharedCosts, UnitCosts
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec, Profile, StageSpec
 
 __all__ = ["LayerCosts"]
@@ -21,7 +21,9 @@ __all__ = ["LayerCosts"]
 class LayerCosts:
     """Cost-model (or fixed, measured) layer costs of one scenario; holds its caches, nothing global."""
 
-    def __init__(self, *, model: ModelSpec, cluster: ClusterSpec, profile: Profile | None = None):
+    def __init__(self, *, model: ModelSpec, cluster: ClusterSpec, profile: Profile | None = None,
+                 shared: SharedCosts | None = None):
+        """``shared``: unit costs to share with other searches of the same model on the same node group."""
         self.model = model
         self.cluster = cluster
         self.fixed_profile = profile
@@ -30,7 +32,7 @@ class LayerCosts:
         self._units: dict[tuple, tuple[LayerCost, ...]] = {}
         self._flops: dict[int, float] = {}
         self._uniform_specs: dict[int, tuple[StageSpec, ...]] = {}
-        self._unit_costs = UnitCosts(model=model, cluster=cluster)
+        self._unit_costs = UnitCosts(model=model, cluster=cluster, shared=shared)
 
     def profile(self, cand: Candidate, gpu: GpuSpec | None = None) -> Profile:
         """The candidate's per-unit costs on ``gpu`` (the cluster's first GPU by default)."""

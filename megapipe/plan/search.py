@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError, ScheduleError
 from megapipe.plan.evaluator import Evaluator, Prepared
+from megapipe.plan.unit_costs import SharedCosts
 from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
 from megapipe.plan.rank import rank_plans, score
 from megapipe.plan.plans import Candidate, Plan, SearchResult, SearchStats
@@ -62,14 +63,16 @@ def search(
     microbatch_group_size_per_vp_stage: int | None = None,
     template: ParallelSpec = ParallelSpec(),
     progress: Callable[[int, int], None] | None = None,
+    shared: SharedCosts | None = None,
 ) -> SearchResult:
     """Best plans first, with the equal-split baseline of the best and the reference configuration.
 
     ``template`` gives the parallel settings the search does not vary (tp_comm_overlap, where sequence
-    parallelism allows it, and the DP overlap flags)."""
+    parallelism allows it, and the DP overlap flags); ``shared``: unit costs and schedules shared with other
+    searches of this model and batch shape on sub-clusters of the same node group (the answer is the same)."""
     started = time.perf_counter()
     _check_cluster(cluster)
-    evaluator = Evaluator(model=model, cluster=cluster, options=options, profile=profile)
+    evaluator = Evaluator(model=model, cluster=cluster, options=options, profile=profile, shared=shared)
     space = enumerate_candidates(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
                                  use_distributed_optimizer=use_distributed_optimizer,
                                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
@@ -87,7 +90,7 @@ def search(
         chosen = _best_runnable(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
                                 profile=profile, use_distributed_optimizer=use_distributed_optimizer,
                                 microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-                                template=template)
+                                template=template, shared=shared)
     chosen = chosen or ranked[0]
     baseline = _try(evaluator, _candidate_of(chosen), method="equal", gpus=_gpus_of(evaluator, chosen))
     if baseline is not None and baseline.feasible and score(baseline, options.objective) < score(chosen, options.objective):
@@ -186,29 +189,43 @@ def _dominated_features(evaluator: Evaluator, space: Space) -> set[int]:
         groups.setdefault(point[:13], []).append(index)
     runs: dict[tuple, tuple] = {}
     out: set[int] = set()
+    # Units' costs do not read VP, the schedule or the microbatch count (Candidate.layer_key): groups that differ
+    # only there, with the same features, dominate at the same positions.
+    settled: dict[tuple, tuple[int, ...]] = {}
     for members in groups.values():
         if len(members) < 2:
             continue
-        vectors = []
-        for index in members:
-            cand = space.candidate(space.points[index])
-            key = cand.layer_key + (cand.parallel.data_parallel_size, cand.parallel.pipeline_model_parallel_size > 1)
-            found = runs.get(key)
-            if found is None:
-                units, _ = evaluator.costs.runs(cand)
-                found = runs[key] = tuple((unit.fwd_ms, unit.bwd_ms, unit.wgrad_ms, unit.static_bytes, unit.act_bytes)
-                                          for unit in units)
-            vectors.append(found)
-        for position, index in enumerate(members):
-            mine = vectors[position]
-            for other, theirs in enumerate(vectors):
-                if other == position or theirs == mine and other > position:
-                    continue
-                if all(t[0] <= m[0] and t[1] <= m[1] and t[2] <= m[2] and t[3] == m[3] and t[4] == m[4]
-                       for t, m in zip(theirs, mine)):
-                    out.add(index)
-                    break
+        first = space.points[members[0]]
+        key = first[:4] + first[5:8] + first[11:13] + tuple(space.points[index].features for index in members)
+        positions = settled.get(key)
+        if positions is None:
+            positions = settled[key] = _dominated_positions(evaluator, space, members, runs)
+        out.update(members[position] for position in positions)
     return out
+
+
+def _dominated_positions(evaluator: Evaluator, space: Space, members: list[int], runs: dict) -> tuple[int, ...]:
+    """Positions in ``members`` (points of one group) that another member dominates."""
+    vectors = []
+    for index in members:
+        cand = space.candidate(space.points[index])
+        key = cand.layer_key + (cand.parallel.data_parallel_size, cand.parallel.pipeline_model_parallel_size > 1)
+        found = runs.get(key)
+        if found is None:
+            units, _ = evaluator.costs.runs(cand)
+            found = runs[key] = tuple((unit.fwd_ms, unit.bwd_ms, unit.wgrad_ms, unit.static_bytes, unit.act_bytes)
+                                      for unit in units)
+        vectors.append(found)
+    out = []
+    for position, mine in enumerate(vectors):
+        for other, theirs in enumerate(vectors):
+            if other == position or theirs == mine and other > position:
+                continue
+            if all(t[0] <= m[0] and t[1] <= m[1] and t[2] <= m[2] and t[3] == m[3] and t[4] == m[4]
+                   for t, m in zip(theirs, mine)):
+                out.append(position)
+                break
+    return tuple(out)
 
 
 def _min_time_scale(evaluator: Evaluator) -> float:

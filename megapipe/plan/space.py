@@ -233,6 +233,7 @@ def enumerate_candidates(
     pruned: Counter = Counter()
     out: list[Point] = []
     enumerated = 0
+    refused: dict[tuple, bool] = {}  # _feature_pruned by the few fields it reads: points repeat them many times
     for tp in _tp_values(model, cluster, fixed, options):
         tp_ok = _tp_ok(tp, model, cluster, options)
         for cp in _cp_values(train.seq_length, fixed, options):
@@ -253,7 +254,7 @@ def enumerate_candidates(
                     for ep, etp in experts:
                         for features in variants:
                             enumerated += 1
-                            if len(variants) > 1 and _feature_pruned(features, model, point, ep, train):
+                            if len(variants) > 1 and _feature_pruned(features, model, point, ep, train, refused):
                                 pruned["features"] += 1
                                 continue
                             out.append(point._replace(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
@@ -265,9 +266,20 @@ def enumerate_candidates(
                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, template=template)
 
 
-def _feature_pruned(features: RuntimeFeatures, model: ModelSpec, point: Point, ep: int, train: TrainSpec) -> bool:
+def _feature_pruned(features: RuntimeFeatures, model: ModelSpec, point: Point, ep: int, train: TrainSpec,
+                    memo: dict[tuple, bool]) -> bool:
     """Whether megatron-core refuses a searched feature set at this point's sizes (EP overlap at PP > 1 without
-    interleaving or with EP 1, CUDA graphs with full recompute, ...)."""
+    interleaving or with EP 1, CUDA graphs with full recompute, ...); ``memo`` holds the answers of one
+    enumeration by the fields read."""
+    key = (features, point.pipeline_model_parallel_size, point.virtual_pipeline_model_parallel_size, ep,
+           point.recompute_granularity)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = _feature_refused(features, model, point, ep, train)
+    return found
+
+
+def _feature_refused(features: RuntimeFeatures, model: ModelSpec, point: Point, ep: int, train: TrainSpec) -> bool:
     parallel = ParallelSpec(pipeline_model_parallel_size=point.pipeline_model_parallel_size,
                             virtual_pipeline_model_parallel_size=point.virtual_pipeline_model_parallel_size,
                             expert_model_parallel_size=ep)

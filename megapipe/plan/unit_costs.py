@@ -21,7 +21,7 @@ from megapipe.cost.params import unit_static_bytes
 from megapipe.plan.plans import Candidate
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec
 
-__all__ = ["UnitCosts", "repeated_sum"]
+__all__ = ["SharedCosts", "UnitCosts", "repeated_sum"]
 
 
 def repeated_sum(values, counts) -> float:
@@ -29,15 +29,37 @@ def repeated_sum(values, counts) -> float:
     return sum(chain.from_iterable(map(repeat, values, counts)))
 
 
+class SharedCosts:
+    """Unit costs and built schedules that several searches of one job shape share (``megapipe pack``: every
+    node count of one node group, and the fixed-depth baselines).
+
+    A unit's costs read the cluster's GPU, links, NVLink domain and runtime, never its node count
+    (:func:`megapipe.cost.layers.distinct_units`), so sub-clusters of one node group price every layer key
+    alike; the caller shares one only between searches of the same model, batch shape and node group.
+    """
+
+    def __init__(self):
+        self.timed: dict[tuple, dict[str, LayerCost]] = {}
+        self.priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = {}
+        self.schedules: dict[tuple, object] = {}
+        """Built schedules by sizes (:meth:`megapipe.plan.evaluator.Evaluator.schedule`)."""
+        self.prepared: dict[tuple, object] = {}
+        """Partitioned candidates (or the error) by (cluster, options, candidate, GPUs): a node count's main
+        search and its fixed-depth searches partition many of the same candidates."""
+        self.finished: dict[int, object] = {}
+        """Simulated plans (or the error) by the id of a prepared candidate held in :attr:`prepared`."""
+
+
 class UnitCosts:
     """Unit costs of one (model, cluster), costed once per layer key and GPU and priced per DP size."""
 
-    def __init__(self, *, model: ModelSpec, cluster: ClusterSpec):
+    def __init__(self, *, model: ModelSpec, cluster: ClusterSpec, shared: SharedCosts | None = None):
         self.model = model
         self.cluster = cluster
         self._runs = unit_runs(model)
-        self._timed: dict[tuple, dict[str, LayerCost]] = {}
-        self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = {}
+        self._timed: dict[tuple, dict[str, LayerCost]] = {} if shared is None else shared.timed
+        self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = {} if shared is None else \
+            shared.priced
 
     def runs(self, cand: Candidate, gpu: GpuSpec) -> tuple[tuple[LayerCost, ...], tuple[int, ...]]:
         """(units, repeat counts) in profile order: embedding, decoder, [mtp], output."""
