@@ -1,0 +1,108 @@
+"""How megapipe's pictures are made: matplotlib on first use, sizes in inches at a fixed DPI, same bytes.
+
+matplotlib takes about a second to import, so it is imported here, inside functions, and only when a picture
+is drawn: importing megapipe (or starting the CLI) never loads it. Every picture is built and saved under
+matplotlib's default style (a user's matplotlibrc changes neither the look nor the bytes) and saved at
+:data:`DPI` with the PNG text metadata dropped (matplotlib writes its version there; it writes no date), then
+written atomically through :mod:`megapipe.files`. Layouts are placed in inches rather than by
+``tight_layout``: the margins stay the same whatever the rank count, and no extra draw pass is paid for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from megapipe.files import atomic_write_bytes
+
+__all__ = ["DPI", "pinned_style", "new_figure", "place_axes", "fitted", "save_png"]
+
+DPI = 100
+"""Pixels per inch of every picture: a 12-inch-wide figure is 1,200 pixels wide."""
+
+_META = {"Software": None}
+"""The only text chunk matplotlib's Agg writer adds; None drops it (it names the matplotlib version)."""
+
+
+@contextlib.contextmanager
+def pinned_style() -> Iterator[None]:
+    """matplotlib's default style for what is built or drawn inside (rc settings are read at both times)."""
+    import matplotlib.style
+
+    with matplotlib.style.context("default"):
+        yield
+
+
+def new_figure(width_in: float, height_in: float):
+    """An empty figure of that size at :data:`DPI` on its own Agg canvas (no pyplot: no global figure list to
+    close), so text can be measured before anything is placed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width_in, height_in), dpi=DPI)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def place_axes(figure, *, left_in: float, bottom_in: float, width_in: float, height_in: float):
+    """Axes at fixed inches from the figure's lower left corner."""
+    figure_width, figure_height = figure.get_size_inches()
+    return figure.add_axes((left_in / figure_width, bottom_in / figure_height, width_in / figure_width,
+                            height_in / figure_height))
+
+
+def fitted(figure, text: str, *, width_in: float, fontsize: float, max_lines: int = 1,
+           breaks: str = " |") -> str:
+    """``text`` in at most ``max_lines`` lines no wider than ``width_in`` at ``fontsize``, broken after one of
+    ``breaks`` where it can be, the last line cut with an ellipsis when the rest does not fit."""
+    from matplotlib.font_manager import FontProperties
+
+    renderer = figure.canvas.get_renderer()
+    limit_px = width_in * figure.dpi
+    prop = FontProperties(size=fontsize)
+
+    def fits(line: str) -> bool:
+        return renderer.get_text_width_height_descent(line, prop, ismath=False)[0] <= limit_px
+
+    lines, rest = [], text
+    while rest and len(lines) < max_lines:
+        last = len(lines) == max_lines - 1
+        cut = _longest_fitting(rest, fits, suffix="…" if last else "")
+        if cut == len(rest):
+            lines.append(rest)
+            break
+        if not last:
+            at = max(rest.rfind(mark, 0, cut) for mark in breaks)
+            cut = at + 1 if at > 0 else cut
+            lines.append(rest[:cut].rstrip())
+            rest = rest[cut:].lstrip()
+        else:
+            lines.append(rest[:cut].rstrip() + "…")
+            break
+    return "\n".join(lines)
+
+
+def _longest_fitting(text: str, fits, *, suffix: str) -> int:
+    """The longest prefix length of ``text`` that fits with ``suffix`` after it (a bisection: measuring a line
+    costs milliseconds)."""
+    if fits(text):
+        return len(text)
+    low, high = 1, len(text) - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(text[:middle] + suffix):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def save_png(figure, path: str) -> str:
+    """The figure as PNG at :data:`DPI` without text metadata (same inputs, same bytes), written atomically."""
+    import io
+
+    buffer = io.BytesIO()
+    with pinned_style():
+        figure.savefig(buffer, format="png", dpi=DPI, facecolor="white", metadata=_META)
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
