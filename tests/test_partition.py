@@ -560,7 +560,7 @@ def test_rank_problem_largest_total_equals_brute_force_with_many_chunks():
     import itertools
     import random
 
-    from megapipe.partition import coupled
+    from megapipe.partition.rank_problem import RankProblem
     from megapipe.records import LayerCost, LayerKind
 
     rng = random.Random(7)
@@ -569,14 +569,44 @@ def test_rank_problem_largest_total_equals_brute_force_with_many_chunks():
         chunks, rows = rng.choice((5, 6)), rng.randint(2, 8)
         decoder = LayerCost(name="t", kind=LayerKind.decoder, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=0.0,
                             static_bytes=rng.uniform(1, 4), act_bytes=rng.uniform(0.2, 2))
-        shape = coupled.UniformShape(decoder=decoder, num_decoders=40, head=None, tail=None)
         profile = [tuple(rng.randint(0, 6) for _ in range(chunks)) for _ in range(rows)]
         low = [1] * chunks
-        problem = coupled._RankProblem(shape, list(range(chunks)), profile, rng.uniform(40, 160),
-                                       [(0.0, 0.0, 0.0)] * chunks, low)
+        problem = RankProblem(decoder, list(range(chunks)), profile, rng.uniform(40, 160),
+                              [(0.0, 0.0, 0.0)] * chunks, low)
         high = tuple(rng.randint(1, 4) for _ in range(chunks))
         feasible = [sum(c) for c in itertools.product(*(range(lo, h + 1) for lo, h in zip(low, high)))
                     if problem.fits(c)]
         assert problem.largest(high) == (max(feasible) if feasible else None)
         checked += bool(feasible)
     assert checked > 50
+
+
+def test_rank_problem_back_loading_is_exact_and_keeps_the_general_counts():
+    """Rows whose weights fall along the stages (every schedule's in-flight profiles do): the back-loaded
+    largest total equals exhaustive enumeration, and the counts the split uses are the general path's (the
+    greedy's, which fills the last stages first and so reaches the optimum)."""
+    import itertools
+    import random
+
+    from megapipe.partition.rank_problem import RankProblem
+    from megapipe.records import LayerCost, LayerKind
+
+    rng = random.Random(11)
+    for _ in range(400):
+        chunks, rows = rng.randint(1, 6), rng.randint(1, 8)
+        decoder = LayerCost(name="t", kind=LayerKind.decoder, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=0.0,
+                            static_bytes=rng.uniform(1, 4), act_bytes=rng.uniform(0.2, 2))
+        profile = [tuple(sorted((rng.randint(0, 8) for _ in range(chunks)), reverse=True)) for _ in range(rows)]
+        low = [rng.randint(0, 1) for _ in range(chunks)]
+        pinned = [(0.0, rng.uniform(0, 3), rng.uniform(0, 1))] + [(0.0, 0.0, 0.0)] * (chunks - 1)
+        args = (decoder, list(range(chunks)), profile, rng.uniform(20, 160), pinned, low)
+        fast, general = RankProblem(*args), RankProblem(*args)
+        general.monotone = False
+        assert fast.monotone
+        high = tuple(rng.randint(lo, lo + 5) for lo in low)
+        feasible = [sum(c) for c in itertools.product(*(range(lo, h + 1) for lo, h in zip(low, high)))
+                    if fast.fits(c)]
+        assert fast.largest(high) == general.largest(high) == (max(feasible) if feasible else None)
+        if feasible and len(high) <= 6:
+            for total in range(sum(low), max(feasible) + 1):
+                assert fast.counts(high, total) == general.counts(high, total)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megapipe.partition.rank_problem import RankProblem
 from megapipe.records import LayerCost, LayerKind, StageSpec
 from megapipe.units import GIB
 
@@ -42,11 +43,6 @@ class Unsolved(Exception):
     """HiGHS stopped at its time limit without a split (it did not prove that none fits)."""
 
 _EPS = 1e-9
-_SEARCHED_CHUNKS = 6
-"""Up to this many chunks per rank the rank's integer program is searched directly; beyond it, HiGHS."""
-_RELAXED_CHUNKS = 5
-"""From this many chunks per rank on, the linear relaxation (HiGHS) settles the greedy counts or bounds the search;
-below it the rows' own bounds prune the few counts well enough (and scipy stays unimported)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,196 +105,8 @@ def _pinned(shape: UniformShape, num_stages: int) -> list[tuple[float, float, fl
     return out
 
 
-class _RankProblem:
-    """max sum_s d_s over one rank's stages, lo_s <= d_s <= hi_s, within its memory at every profile vector.
-
-    Plain Python lists: the problems are tiny (a few stages, a few rows) and solved thousands of times.
-    """
-
-    def __init__(self, shape: UniformShape, stages: Sequence[int], profile, cap: float, pinned, low: Sequence[int]):
-        decoder = shape.decoder
-        self.stages, self.low = tuple(stages), tuple(low)
-        self.rows = [[decoder.static_bytes + n * decoder.act_bytes for n in vector] for vector in profile]
-        rooms = [cap - sum(pinned[s][1] + n * pinned[s][2] for n, s in zip(vector, stages)) for vector in profile]
-        self.limit = [room + _EPS * max(1.0, abs(room)) for room in rooms]
-        self.room = rooms
-        self.columns = list(zip(*self.rows)) if self.rows else [()] * len(self.stages)
-        self._cache: dict[tuple[int, ...], list[int] | None] = {}
-        self._np: tuple[np.ndarray, np.ndarray] | None = None
-
-    def _used(self, counts: Sequence[float]) -> list[float]:
-        return [sum(w * c for w, c in zip(row, counts)) for row in self.rows]
-
-    def fits(self, counts: Sequence[int]) -> bool:
-        for row, limit in zip(self.rows, self.limit):
-            if sum(w * c for w, c in zip(row, counts)) > limit:
-                return False
-        return True
-
-    def upper(self, high: Sequence[int]) -> float:
-        """An upper bound on the largest total: each memory row alone, filled with its cheapest decoders."""
-        base = sum(self.low)
-        bound = float(sum(high))
-        for row, used, limit in zip(self.rows, self._used(self.low), self.limit):
-            cheapest = min(row) if row else 0.0
-            if cheapest > 0:
-                bound = min(bound, base + max(limit - used, 0.0) / cheapest)
-        return bound
-
-    def _greedy(self, high: tuple[int, ...]) -> list[int]:
-        """Feasible counts: add decoders one at a time where they use the least of the tightest room (the stage
-        whose largest share of any row's room is smallest; the first such stage on ties)."""
-        counts = list(self.low)
-        if not self.rows:
-            return list(high)
-        used = np.array(self._used(counts))
-        columns, limit = self._arrays()
-        top = np.asarray(high)
-        now = np.asarray(counts)
-        while True:
-            after = used + columns  # (stages, rows): each stage's rows with one more decoder
-            share = (columns / np.maximum(limit - used, 1e-300)).max(axis=1)
-            share[(after > limit).any(axis=1) | (now >= top)] = math.inf
-            best = int(share.argmin())
-            if share[best] == math.inf:
-                return [int(c) for c in now]
-            now[best] += 1
-            used = after[best]
-
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """The columns (stages x rows) and the row limits as arrays, built once."""
-        if self._np is None:
-            self._np = (np.asarray(self.columns, dtype=float), np.asarray(self.limit, dtype=float))
-        return self._np
-
-    def largest(self, high: tuple[int, ...]) -> int | None:
-        """The largest feasible total with d_s <= high_s, or None when even the smallest counts do not fit."""
-        found = self._best(high)
-        return None if found is None else sum(found)
-
-    def _best(self, high: tuple[int, ...]) -> list[int] | None:
-        """Counts of the largest feasible total (cached per ``high``)."""
-        if high in self._cache:
-            return self._cache[high]
-        found: list[int] | None
-        if any(h < lo for h, lo in zip(high, self.low)) or not self.fits(self.low):
-            found = None
-        elif self.fits(high):
-            found = list(high)
-        else:
-            found = self._greedy(high)
-            if sum(found) < math.floor(self.upper(high) + 1e-9):  # the bound leaves room: settle it exactly
-                relaxed = self._relaxation(high) if len(high) >= _RELAXED_CHUNKS else None
-                if relaxed is None or sum(found) < math.floor(relaxed[0] + 1e-9):
-                    found = (self._branch_and_bound(high, found, relaxed) if len(high) <= _SEARCHED_CHUNKS
-                             else self._solve(high))
-        self._cache[high] = found
-        return found
-
-    def _relaxation(self, high: tuple[int, ...]) -> tuple[float, list[float]] | None:
-        """The linear relaxation's optimum and its memory rows' multipliers (HiGHS's duals, >= 0), or None when
-        HiGHS gives none. The greedy counts are optimal when they reach the optimum's floor; otherwise the
-        multipliers combine the rows into the one constraint that bounds the branch and bound best."""
-        from scipy.optimize import linprog
-
-        result = linprog(-np.ones(len(high)), A_ub=np.asarray(self.rows, dtype=float),
-                         b_ub=np.asarray(self.limit, dtype=float), bounds=list(zip(self.low, high)), method="highs")
-        if result.status != 0:
-            return None
-        return -float(result.fun), [max(0.0, -float(value)) for value in result.ineqlin.marginals]
-
-    def _surrogate(self, high: tuple[int, ...], relaxed: tuple[float, list[float]] | None):
-        """Per depth, the remaining stages' combined-row costs (cheapest first, with their spare counts), and the
-        multipliers; None without a relaxation."""
-        if relaxed is None or not any(relaxed[1]):
-            return None
-        weights = relaxed[1]
-        cost = [sum(w * row[index] for w, row in zip(weights, self.rows)) for index in range(len(high))]
-        order = [sorted(((cost[s], high[s] - self.low[s]) for s in range(index, len(high)))) for index in
-                 range(len(high))]
-        low_cost = [sum(cost[s] * self.low[s] for s in range(index, len(high))) for index in range(len(high))]
-        return weights, order, low_cost
-
-    def _branch_and_bound(self, high: tuple[int, ...], incumbent: list[int],
-                          relaxed: tuple[float, list[float]] | None = None) -> list[int]:
-        """Exact: depth-first over the stages' counts (largest first), pruned by the rows' relaxation and by the
-        relaxation's combined row (a fractional knapsack over the remaining stages)."""
-        size = len(high)
-        columns = list(zip(*self.rows))
-        cheapest = [[min(row[index:]) for row in self.rows] for index in range(size)]
-        best, best_total = list(incumbent), sum(incumbent)
-        chosen = [0] * size
-        surrogate = self._surrogate(high, relaxed)
-
-        def combined_room(index: int, used: list[float]) -> float:
-            """Most decoders the remaining stages take under the combined row (math.inf without one)."""
-            if surrogate is None:
-                return math.inf
-            weights, order, low_cost = surrogate
-            capacity = sum(w * (limit - now) for w, limit, now in zip(weights, self.limit, used)) - low_cost[index]
-            if capacity < -1e-9 * max(1.0, abs(capacity)):
-                return -1.0
-            room = float(sum(self.low[index:]))
-            for cost, spare in order[index]:
-                if cost <= 0:
-                    room += spare
-                    continue
-                take = min(spare, capacity / cost)
-                room += take
-                capacity -= take * cost
-                if take < spare:
-                    break
-            return room
-
-        def visit(index: int, used: list[float], total: int) -> None:
-            nonlocal best, best_total
-            if index == size:
-                if total > best_total:
-                    best, best_total = chosen[:], total
-                return
-            spare = [limit - now - sum(w * c for w, c in zip(row[index:], self.low[index:]))
-                     for limit, now, row in zip(self.limit, used, self.rows)]
-            if any(value < 0 for value in spare):
-                return
-            room = min((value / cheap for value, cheap in zip(spare, cheapest[index]) if cheap > 0), default=math.inf)
-            if total + min(sum(high[index:]), sum(self.low[index:]) + math.floor(room + 1e-9)) <= best_total:
-                return
-            combined = combined_room(index, used)
-            if combined < 0 or combined != math.inf and total + math.floor(combined + 1e-9) <= best_total:
-                return
-            column = columns[index]
-            for count in range(high[index], self.low[index] - 1, -1):
-                after = [now + count * weight for now, weight in zip(used, column)]
-                if all(value <= limit for value, limit in zip(after, self.limit)):
-                    chosen[index] = count
-                    visit(index + 1, after, total + count)
-
-        visit(0, [0.0] * len(self.rows), 0)
-        return best
-
-    def _solve(self, high: tuple[int, ...]) -> list[int]:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-
-        result = milp(-np.ones(len(high)), integrality=np.ones(len(high)),
-                      bounds=Bounds(np.asarray(self.low, dtype=float), np.asarray(high, dtype=float)),
-                      constraints=LinearConstraint(np.asarray(self.rows, dtype=float), -np.inf,
-                                                   np.asarray(self.limit, dtype=float)))
-        if result.x is None:
-            return list(self.low)
-        return [int(round(x)) for x in result.x]
-
-    def counts(self, high: tuple[int, ...], total: int) -> list[int]:
-        """Feasible counts summing to ``total`` (at most the largest): the largest total's counts, trimmed from
-        the fullest stages (fewer decoders never need more memory)."""
-        counts = list(self._best(high) or self.low)
-        while sum(counts) > total:
-            index = max((i for i in range(len(counts)) if counts[i] > self.low[i]), key=lambda i: (counts[i], -i))
-            counts[index] -= 1
-        return counts
-
-
 def _rank_problems(shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int], profiles
-                   ) -> tuple[list[_RankProblem], tuple[tuple[int, ...], ...], list, list[int]] | None:
+                   ) -> tuple[list[RankProblem], tuple[tuple[int, ...], ...], list, list[int]] | None:
     """Each rank's problem (with the stages it owns, the head and tail bytes, the fewest decoders per stage),
     or None when the stages need more decoders than there are."""
     num_stages, pp = len(ranks), len(stages)
@@ -307,7 +115,7 @@ def _rank_problems(shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequ
     if sum(low) > shape.num_decoders:
         return None
     owned = rank_stages(ranks, pp)
-    problems = [_RankProblem(shape, owned[r], profiles[r], stages[r].memory_bytes, pinned, [low[s] for s in owned[r]])
+    problems = [RankProblem(shape.decoder, owned[r], profiles[r], stages[r].memory_bytes, pinned, [low[s] for s in owned[r]])
                 for r in range(pp)]
     return problems, owned, pinned, low
 
@@ -320,6 +128,8 @@ def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: 
     if found is None or not all(problem.fits(problem.low) for problem in found[0]):
         return False
     top = shape.num_decoders
+    if all(problem.monotone for problem in found[0]):  # exact, and as cheap as the relaxation
+        return sum(problem.largest((top,) * len(problem.stages)) for problem in found[0]) >= top
     return sum(problem.upper((top,) * len(problem.stages)) for problem in found[0]) >= top - 1e-9
 
 
@@ -345,13 +155,15 @@ class _UniformSearch:
 
     stages: Sequence[StageSpec]
     ranks: Sequence[int]
-    problems: list[_RankProblem]
+    problems: list[RankProblem]
     owned: tuple[tuple[int, ...], ...]
     pinned: list
     low: list[int]
     unit: float
     """F + B of one decoder (ms)."""
     num_decoders: int
+    monotone: bool
+    """Every rank's rows fall along its stages (:attr:`RankProblem.monotone`)."""
 
     def highs(self, bottleneck: float) -> list[int] | None:
         """Most decoders each stage can take within ``bottleneck``, or None when a stage cannot take its fewest."""
@@ -402,6 +214,8 @@ class _UniformSearch:
 
     def ok(self, bottleneck: float) -> bool:
         """Whether some split fits within ``bottleneck`` (cheap bounds first, then the exact rank totals)."""
+        if self.monotone:  # the exact totals cost no more than the bounds
+            return self.feasible(bottleneck) is not None
         quick = self.decided(bottleneck)
         return quick if quick is not None else self.feasible(bottleneck) is not None
 
@@ -440,7 +254,8 @@ def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Se
         return None
     problems, owned, pinned, low = found
     search = _UniformSearch(stages=stages, ranks=ranks, problems=problems, owned=owned, pinned=pinned, low=low,
-                            unit=shape.decoder.fwd_ms + shape.decoder.bwd_ms, num_decoders=shape.num_decoders)
+                            unit=shape.decoder.fwd_ms + shape.decoder.bwd_ms, num_decoders=shape.num_decoders,
+                            monotone=all(problem.monotone for problem in problems))
     values = search.candidates(lower_bound)
     if not values or not search.ok(values[-1]):
         return None

@@ -164,11 +164,27 @@ def _peak_from_orders(schedule: Schedule) -> tuple[int, ...]:
 
 
 def _pareto(rows: np.ndarray) -> tuple[tuple[int, ...], ...]:
-    """The rows no other row dominates (>= everywhere, > somewhere), each once, largest first."""
-    rows = np.unique(rows, axis=0)[::-1]
-    covers = (rows[None, :, :] >= rows[:, None, :]).all(axis=2)  # covers[i, j]: row j >= row i everywhere
-    np.fill_diagonal(covers, False)
-    return tuple(tuple(int(x) for x in row) for row in rows[~covers.any(axis=1)])
+    """The rows no other row dominates (>= everywhere, > somewhere), each once, largest first.
+
+    A row dominates only rows of a smaller sum, and domination is transitive, so the rows of the largest sum
+    are kept, the rest checked against the kept rows only, and so on by sum (a schedule's steady state gives one
+    sum to most rows: two rounds, not a comparison of every pair)."""
+    rows = np.asarray(rows)
+    rows = rows[np.lexsort(rows.T[::-1])]  # ascending, as np.unique(axis=0) sorts
+    if len(rows) > 1:
+        rows = rows[np.concatenate([[True], (rows[1:] != rows[:-1]).any(axis=1)])]
+    sums = rows.sum(axis=1)
+    keep = np.zeros(len(rows), dtype=bool)
+    alive = np.ones(len(rows), dtype=bool)
+    while alive.any():
+        top = alive & (sums == sums[alive].max())
+        keep |= top
+        alive &= ~top
+        rest = np.flatnonzero(alive)
+        if len(rest):
+            covered = (rows[keep][None, :, :] >= rows[rest][:, None, :]).all(axis=2).any(axis=1)
+            alive[rest[covered]] = False
+    return tuple(tuple(int(x) for x in row) for row in rows[keep][::-1])
 
 
 def _rank_counts_from_orders(schedule: Schedule) -> tuple[np.ndarray, ...]:
