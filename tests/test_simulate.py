@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from megapipe.errors import ScheduleError
 from megapipe.schedules import SCHEDULE_NAMES, Action, Kind, Schedule, build, chunks_per_rank
-from megapipe.simulate import P2PCost, StageTimes, simulate
+from megapipe.simulate import P2PCost, StageTimes, relaxed_step_ms, simulate
 from megapipe.simulate.bubble import bubble_rows, closed_form_bubble, matching_microbatches
 
 
@@ -178,6 +178,32 @@ def test_invariants_on_random_times(case):
     assert all(1 <= peak <= schedule.num_microbatches for peak in result.stage_peak_in_flight)
     if result.step_time_ms > 0:
         _check_critical_path(result, message)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_cases())
+def test_relaxed_step_bounds_the_simulated_step(case):
+    """Each rank timed exactly with the others unbounded never ends after the simulation, on every schedule."""
+    schedule, times, message = case
+    p2p = P2PCost(latency_ms=message)
+    step = simulate(schedule, times, p2p=p2p).step_time_ms
+    bound = relaxed_step_ms(schedule, times, p2p=p2p)
+    assert bound <= step * (1 + 1e-12) + 1e-12
+    assert bound >= max(sum(times.fwd_ms[a.stage] for a in order if a.kind is Kind.F) for order in schedule.orders)
+
+
+def test_relaxed_step_sees_a_stall_the_work_floor_misses():
+    """Interleaved 1F1B with the heavy chunks last: each rank's work and first wait (the partition floor) say
+    63 ms, but rank 0 waits for rank 1's heavy chunk in every microbatch group; the relaxation counts it."""
+    from megapipe.plan.bounds import pipeline_floor_ms
+
+    schedule = build("interleaved_1f1b", pipeline_model_parallel_size=2, num_microbatches=4,
+                     virtual_pipeline_model_parallel_size=2)
+    fwd = (1.0, 1.0, 4.0, 4.0)  # stage = chunk * 2 + rank
+    times = StageTimes(fwd_ms=fwd, bwd_ms=tuple(2 * f for f in fwd), wgrad_ms=(0.0,) * 4)
+    floor = pipeline_floor_ms(schedule="interleaved_1f1b", stage_to_rank=schedule.stage_to_rank, fwd_ms=fwd,
+                              bwd_ms=times.bwd_ms, num_microbatches=4)
+    assert (floor, relaxed_step_ms(schedule, times), simulate(schedule, times).step_time_ms) == (63.0, 76.0, 78.0)
 
 
 def _check_critical_path(result, message):

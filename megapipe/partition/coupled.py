@@ -89,9 +89,15 @@ def rank_peaks(*, static: Sequence[float], act: Sequence[float], ranks: Sequence
     """Each rank's peak bytes over the step: its chunks' static bytes plus the largest in-flight sum."""
     peaks = []
     for rank, stages in enumerate(rank_stages(ranks, len(profiles))):
-        held = max((math.fsum(n * act[s] for n, s in zip(vector, stages)) for vector in profiles[rank]), default=0.0)
+        held = max((math.fsum(n * act[s] for n, s in zip(vector, stages)) for vector in _rows(profiles[rank])),
+                   default=0.0)
         peaks.append(math.fsum(static[s] for s in stages) + held)
     return tuple(peaks)
+
+
+def _rows(profile) -> list:
+    """A rank's profile vectors as lists of Python ints (an array from the schedule registry, or sequences)."""
+    return profile.tolist() if isinstance(profile, np.ndarray) else [list(vector) for vector in profile]
 
 
 # -- identical decoders ----------------------------------------------------------------------------
@@ -595,7 +601,7 @@ class _EntryProgram:
     def add_memory_rows(self, layers, stages, ranks, profiles) -> None:
         """Adds the rows that keep every rank's coupled memory within its bytes at every profile vector."""
         for rank, owned in enumerate(rank_stages(ranks, len(stages))):
-            for vector in profiles[rank]:
+            for vector in _rows(profiles[rank]):
                 total: dict[int, float] = {}
                 constant = 0.0
                 for n, stage in zip(vector, owned):

@@ -47,11 +47,13 @@ class RankProblem:
 
     def __init__(self, decoder, stages: Sequence[int], profile, cap: float, pinned, low: Sequence[int]):
         self.stages, self.low = tuple(stages), tuple(low)
-        counts = np.asarray(profile, dtype=float).reshape(len(profile), len(self.stages))
+        counts = np.asarray(profile).reshape(len(profile), len(self.stages))
         self.weights = decoder.static_bytes + counts * decoder.act_bytes
         """Bytes per decoder: one row per profile vector, one column per stage."""
         held = [(index, pinned[s][1], pinned[s][2]) for index, s in enumerate(self.stages) if pinned[s] != (0, 0, 0)]
-        rooms = [cap - sum(static + vector[index] * act for index, static, act in held) for vector in profile]
+        columns = {index: counts[:, index].tolist() for index, _, _ in held}
+        rooms = [cap - sum(static + columns[index][row] * act for index, static, act in held)
+                 for row in range(len(counts))]
         self.limit = [room + _EPS * max(1.0, abs(room)) for room in rooms]
         self.room = rooms
         self._limits = np.asarray(self.limit, dtype=float)

@@ -33,7 +33,7 @@ from megapipe.cost.memory import dispatcher_transient_bytes
 from megapipe.cost.data_parallel import dp_sync_ms, optimizer_step_ms
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec, Partition, Profile, StageSpec
 from megapipe.layout import stage_entries
-from megapipe.simulate import StageTimes, p2p_cost, simulate, stage_times
+from megapipe.simulate import StageTimes, p2p_cost, relaxed_step_ms, simulate, stage_times
 from megapipe.simulate.engine import step_time_ms as simulate_step_ms
 
 __all__ = ["Evaluator", "Prepared"]
@@ -157,6 +157,16 @@ class Evaluator:
         p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
         sim = simulate(self.schedule(cand), prepared.times, p2p=p2p)
         return self._plan(prepared, sim)
+
+    def relaxed_floor_ms(self, prepared: Prepared) -> float:
+        """A sharper lower bound on the plan's step than ``prepared.floor_ms``, without simulating: each rank's
+        own order timed exactly with every other rank unbounded (:func:`megapipe.simulate.relaxed_step_ms`),
+        plus the DP sync, optimizer step and step overhead the plan adds."""
+        cand = prepared.cand
+        p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
+        pipeline = relaxed_step_ms(self.schedule(cand), prepared.times, p2p=p2p)
+        sums = prepared.sums
+        return pipeline + sums.sync_ms + sums.optimizer_ms + self.cluster.runtime.step_overhead_ms
 
     def step_time_s(self, prepared: Prepared) -> float:
         """The plan's step time without the rest of its record (:meth:`finish`'s step_time_s, cheaper)."""

@@ -236,11 +236,13 @@ def _min_time_scale(evaluator: Evaluator) -> float:
 
 def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, pruned: Counter, progress
                       ) -> tuple[list[Plan], Counter, float]:
-    """Best first over lower bounds that sharpen: a candidate's closed-form bound, then its partition's floor.
+    """Best first over lower bounds that sharpen: a candidate's closed-form bound, its partition's floor, then
+    its schedule's relaxed step (:meth:`Evaluator.relaxed_floor_ms`).
 
-    A popped candidate is partitioned and pushed back under max(bound, floor); popped again,
-    it is simulated. Once the smallest key is no better than the k-th best exact step, nothing
-    left can rank. With ``bubble_target`` everything is evaluated.
+    A popped candidate is partitioned and pushed back under max(bound, floor); popped again, each placement
+    still below the cutoff gets the relaxed floor and the candidate goes back under it; popped a third time,
+    it is simulated. Once the smallest key is no better than the k-th best exact step, nothing left can rank.
+    With ``bubble_target`` everything is evaluated.
     """
     options = evaluator.options
     keep_all = options.bubble_target is not None
@@ -251,22 +253,25 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, pruned: Count
     memory_floor = float("inf")
     done = 0
     while heap:
-        key, index, point, prepared = heap[0]
+        key, index, point, placed = heap[0]
         cutoff = None if keep_all or len(feasible_steps) < options.top_k else feasible_steps[options.top_k - 1]
         if cutoff is not None and key >= cutoff:
             pruned["bound"] += len(heap)
             break
         heapq.heappop(heap)
-        if prepared is None:
+        if placed is None:
             if progress is not None:
                 progress(done, len(bounded))
             done += 1
-            prepared = _prepare_placements(evaluator, space.candidate(point), pruned, work)
-            if prepared and not keep_all:
-                floor = min(item.floor_ms for item in prepared) * (1 - _FLOOR_MARGIN)
-                heapq.heappush(heap, (max(key, floor), index, point, prepared))
+            placed = [_Placed(item) for item in _prepare_placements(evaluator, space.candidate(point), pruned, work)]
+            if placed and not keep_all:
+                heapq.heappush(heap, (max(key, min(item.floor_ms for item in placed)), index, point, placed))
                 continue
-        plan = _finish_best(evaluator, prepared, pruned, work, cutoff) if prepared else None
+        elif not keep_all and _sharpen(evaluator, placed, cutoff, pruned):
+            if placed:
+                heapq.heappush(heap, (max(key, min(item.floor_ms for item in placed)), index, point, placed))
+            continue
+        plan = _finish_best(evaluator, placed, pruned, work, cutoff) if placed else None
         if plan is None:
             continue
         if not plan.feasible:
@@ -275,6 +280,35 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, pruned: Count
         if plan.feasible:
             bisect.insort(feasible_steps, plan.step_time_s * 1e3)
     return plans, work, memory_floor
+
+
+@dataclasses.dataclass(slots=True)
+class _Placed:
+    """One partitioned placement of a candidate in the branch and bound, with its sharpest floor so far."""
+
+    prepared: Prepared
+    floor_ms: float = 0.0
+    sharpened: bool = False
+
+    def __post_init__(self):
+        self.floor_ms = self.prepared.floor_ms * (1 - _FLOOR_MARGIN)
+
+
+def _sharpen(evaluator: Evaluator, placed: list[_Placed], cutoff_ms: float | None, pruned: Counter) -> bool:
+    """Give the relaxed floor to every placement still below the cutoff that lacks it; True when one got it (the
+    candidate goes back in line). A schedule the sizes do not allow empties ``placed``."""
+    sharpened = False
+    for item in placed:
+        if item.sharpened or cutoff_ms is not None and item.floor_ms >= cutoff_ms:
+            continue
+        try:
+            relaxed = evaluator.relaxed_floor_ms(item.prepared) * (1 - _FLOOR_MARGIN)
+        except ScheduleError:
+            pruned["schedule"] += 1
+            placed.clear()
+            return True
+        item.floor_ms, item.sharpened, sharpened = max(item.floor_ms, relaxed), True, True
+    return sharpened
 
 
 _FLOOR_MARGIN = 1e-9
@@ -312,15 +346,15 @@ def _prepare_placements(evaluator: Evaluator, cand: Candidate, pruned: Counter, 
     return out
 
 
-def _finish_best(evaluator: Evaluator, prepared: list[Prepared], pruned: Counter, work: Counter,
+def _finish_best(evaluator: Evaluator, placed: list[_Placed], pruned: Counter, work: Counter,
                  cutoff_ms: float | None) -> Plan | None:
     """Simulate the placements whose floor is below the cutoff; the best of them by throughput."""
     results = []
-    for item in prepared:
-        if cutoff_ms is not None and item.floor_ms * (1 - _FLOOR_MARGIN) >= cutoff_ms:
+    for item in placed:
+        if cutoff_ms is not None and item.floor_ms >= cutoff_ms:
             continue
         try:
-            results.append(evaluator.finish(item))
+            results.append(evaluator.finish(item.prepared))
         except ScheduleError:
             pruned["schedule"] += 1
             return None

@@ -163,8 +163,8 @@ def _peak_from_orders(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peak)
 
 
-def _pareto(rows: np.ndarray) -> tuple[tuple[int, ...], ...]:
-    """The rows no other row dominates (>= everywhere, > somewhere), each once, largest first.
+def _pareto(rows: np.ndarray) -> np.ndarray:
+    """The rows no other row dominates (>= everywhere, > somewhere), each once, largest first (read-only).
 
     A row dominates only rows of a smaller sum, and domination is transitive, so the rows of the largest sum
     are kept, the rest checked against the kept rows only, and so on by sum (a schedule's steady state gives one
@@ -184,7 +184,9 @@ def _pareto(rows: np.ndarray) -> tuple[tuple[int, ...], ...]:
         if len(rest):
             covered = (rows[keep][None, :, :] >= rows[rest][:, None, :]).all(axis=2).any(axis=1)
             alive[rest[covered]] = False
-    return tuple(tuple(int(x) for x in row) for row in rows[keep][::-1])
+    out = np.ascontiguousarray(rows[keep][::-1])
+    out.flags.writeable = False  # shared through the cache below
+    return out
 
 
 def _rank_counts_from_orders(schedule: Schedule) -> tuple[np.ndarray, ...]:
@@ -209,9 +211,10 @@ def _rank_counts_from_orders(schedule: Schedule) -> tuple[np.ndarray, ...]:
 def rank_in_flight_profiles(
     name: str, *, pipeline_model_parallel_size: int, num_microbatches: int,
     virtual_pipeline_model_parallel_size: int = 1, microbatch_group_size_per_vp_stage: int | None = None,
-) -> tuple[tuple[tuple[int, ...], ...], ...]:
+) -> tuple[np.ndarray, ...]:
     """When a rank's activation memory can peak: for each pipeline rank, the in-flight counts of its layout
-    stages (in stage order) at every moment that no other moment dominates.
+    stages (in stage order) at every moment that no other moment dominates, one row per moment (read-only int
+    arrays, largest row first).
 
     A rank's activation bytes at any moment are ``sum_c n_c * act_c`` over its stages c, so its peak over the
     step is the largest of these sums over the returned vectors: the coupled memory of a rank's chunks, which

@@ -24,8 +24,9 @@ iterations overlap (optimizer post-validation).
 """
 
 from megapipe.simulate.engine import simulate
+from megapipe.simulate.relaxed import relaxed_step_ms
 from megapipe.simulate.inputs import p2p_cost, pipeline_link, stage_times
 from megapipe.simulate.result import OpTiming, P2PCost, RankStats, SimResult, StageTimes
 
 __all__ = ["simulate", "StageTimes", "P2PCost", "RankStats", "OpTiming", "SimResult", "stage_times", "pipeline_link",
-           "p2p_cost"]
+           "p2p_cost", "relaxed_step_ms"]
