@@ -54,3 +54,28 @@ def test_named_and_built_counts_agree_through_the_registry():
 def test_invalid_sizes_raise_the_builders_error(name, pp, m, vp, match):
     with pytest.raises(ScheduleError, match=match):
         peak_in_flight(name, pipeline_model_parallel_size=pp, num_microbatches=m, virtual_pipeline_model_parallel_size=vp)
+
+
+def test_rank_ops_closed_forms_equal_the_built_orders():
+    """1F1B and interleaved 1F1B give each rank's order as plain tuples without building actions; they are the
+    built orders, op for op, over a grid of sizes and microbatch group sizes."""
+    from megapipe.schedules import registry
+    from megapipe.schedules.base import rank_ops_of
+
+    compared = 0
+    for name in ("1f1b", "interleaved_1f1b"):
+        for pp in (2, 3, 4, 8):
+            for v in (1, 2, 3, 5):
+                for m in sorted({pp, 2 * pp, 3 * pp, 16, 24}):
+                    for group in (None, pp + 1):
+                        try:
+                            built = registry.build(name, pipeline_model_parallel_size=pp, num_microbatches=m,
+                                                   virtual_pipeline_model_parallel_size=v,
+                                                   microbatch_group_size_per_vp_stage=group)
+                        except ScheduleError:
+                            continue
+                        assert registry.rank_ops(name, pipeline_model_parallel_size=pp, num_microbatches=m,
+                                                 virtual_pipeline_model_parallel_size=v,
+                                                 microbatch_group_size_per_vp_stage=group) == rank_ops_of(built.orders)
+                        compared += 1
+    assert compared > 60

@@ -50,19 +50,29 @@ class RankProblem:
         counts = np.asarray(profile).reshape(len(profile), len(self.stages))
         self.weights = decoder.static_bytes + counts * decoder.act_bytes
         """Bytes per decoder: one row per profile vector, one column per stage."""
-        held = [(index, pinned[s][1], pinned[s][2]) for index, s in enumerate(self.stages) if pinned[s] != (0, 0, 0)]
-        columns = {index: counts[:, index].tolist() for index, _, _ in held}
-        rooms = [cap - sum(static + columns[index][row] * act for index, static, act in held)
-                 for row in range(len(counts))]
-        self.limit = [room + _EPS * max(1.0, abs(room)) for room in rooms]
-        self.room = rooms
-        self._limits = np.asarray(self.limit, dtype=float)
+        pinned_bytes = np.zeros(len(counts))
+        for index, stage in enumerate(self.stages):  # the embedding and the loss, where this rank holds them
+            _, static, act = pinned[stage]
+            if static or act:
+                pinned_bytes = pinned_bytes + (static + counts[:, index] * act)
+        room = cap - pinned_bytes
+        self._limits = room + _EPS * np.maximum(1.0, np.abs(room))
         self._lows = np.asarray(self.low, dtype=float)
+        self._spare = self._limits - self.weights @ self._lows
+        """Each row's room left with the fewest decoders on every stage (negative: even they do not fit)."""
+        self._fewest = sum(self.low) if (self._spare >= 0).all() else None
+        """The fewest decoders in all, or None when even they do not fit."""
+        self._last_most: int | float | None = None
         self.monotone = bool((self.weights[:, :-1] >= self.weights[:, 1:]).all())
         """Every row's weights fall along the stages: :meth:`largest` is exact by back-loading."""
         self._rows: list[list[float]] | None = None
         self._cache: dict[tuple[int, ...], list[int] | None] = {}
         self._largest: dict[tuple[int, ...], int | None] = {}
+
+    @property
+    def limit(self) -> list[float]:
+        """Each row's memory left beside the pinned entries, with a relative slack of 1e-9 for rounding."""
+        return self._limits.tolist()
 
     @property
     def rows(self) -> list[list[float]]:
@@ -138,26 +148,49 @@ class RankProblem:
         """Exact for monotone rows: each row alone admits the back-loaded counts up to a total found from the
         last stage (the stages it fills whole, then what its room leaves of the next); the least of those
         totals, checked against :meth:`fits` (float rounding)."""
-        spare = np.asarray(high, dtype=float) - self._lows
-        if (spare < 0).any() or not self.fits(self.low):
+        if self._fewest is None or any(h < lo for h, lo in zip(high, self.low)):
             return None
-        weights, size = self.weights, len(high)
-        room = self._limits - weights @ self._lows
-        filled = np.cumsum(weights[:, ::-1] * spare[::-1], axis=1)  # the last j + 1 stages filled whole
-        whole = (filled <= room[:, None]).sum(axis=1)
-        totals = np.concatenate([[0.0], np.cumsum(spare[::-1])])[whole]
-        part = np.flatnonzero(whole < size)
-        if len(part):
-            stage = size - 1 - whole[part]
-            left = room[part] - np.where(whole[part] > 0, filled[part, np.maximum(whole[part] - 1, 0)], 0.0)
-            weight = weights[part, stage]
-            totals[part] += np.minimum(spare[stage], np.floor(left / np.where(weight > 0, weight, 1.0)))
-        best = int(totals.min()) + sum(self.low)
-        while best > sum(self.low) and not self.fits(self.back_loaded(high, best)):
+        if self._last_stage_most() < high[-1] - self.low[-1]:  # memory binds within the last stage
+            return self._fewest + self._last_stage_most()
+        best = self._rows_largest(high)
+        while best > self._fewest and not self.fits(self.back_loaded(high, best)):
             best -= 1
         while best < sum(high) and self.fits(self.back_loaded(high, best + 1)):
             best += 1
         return best
+
+    def _last_stage_most(self) -> int | float:
+        """Most decoders the last stage takes beyond its fewest while every other stage holds its fewest, as
+        :meth:`fits` says (math.inf when no row limits it): every bound with room for more on the last stage
+        has its back-loaded largest total here."""
+        if self._last_most is None:
+            last = self.weights[:, -1]
+            if not (last > 0).all():
+                self._last_most = math.inf
+                return self._last_most
+            most = int(np.floor(self._spare / last).min())
+            counts = list(self.low)
+            while most > 0 and not self.fits(counts[:-1] + [counts[-1] + most]):
+                most -= 1
+            while self.fits(counts[:-1] + [counts[-1] + most + 1]):
+                most += 1
+            self._last_most = most
+        return self._last_most
+
+    def _rows_largest(self, high: tuple[int, ...]) -> int:
+        """The least over rows of the back-loaded total each row admits alone."""
+        spare = np.asarray(high, dtype=float) - self._lows
+        weights, size = self.weights, len(high)
+        filled = np.cumsum(weights[:, ::-1] * spare[::-1], axis=1)  # the last j + 1 stages filled whole
+        whole = (filled <= self._spare[:, None]).sum(axis=1)
+        totals = np.concatenate([[0.0], np.cumsum(spare[::-1])])[whole]
+        part = np.flatnonzero(whole < size)
+        if len(part):
+            stage = size - 1 - whole[part]
+            left = self._spare[part] - np.where(whole[part] > 0, filled[part, np.maximum(whole[part] - 1, 0)], 0.0)
+            weight = weights[part, stage]
+            totals[part] += np.minimum(spare[stage], np.floor(left / np.where(weight > 0, weight, 1.0)))
+        return int(totals.min()) + sum(self.low)
 
     def _best(self, high: tuple[int, ...]) -> list[int] | None:
         """Counts of the largest feasible total (cached per ``high``)."""

@@ -164,7 +164,13 @@ class Evaluator:
         plus the DP sync, optimizer step and step overhead the plan adds."""
         cand = prepared.cand
         p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
-        pipeline = relaxed_step_ms(self.schedule(cand), prepared.times, p2p=p2p)
+        par = cand.parallel
+        ops = schedules.rank_ops(cand.schedule, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+                                 num_microbatches=cand.num_microbatches,
+                                 virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+                                 microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
+        pipeline = relaxed_step_ms(ops, prepared.partition.stage_to_rank, prepared.times,
+                                   num_microbatches=cand.num_microbatches, p2p=p2p)
         sums = prepared.sums
         return pipeline + sums.sync_ms + sums.optimizer_ms + self.cluster.runtime.step_overhead_ms
 

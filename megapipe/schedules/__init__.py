@@ -7,7 +7,7 @@ collects them. ``build(name, ...)`` returns a :class:`Schedule` that
 layout stage's peak in-flight microbatches.
 """
 
-from megapipe.schedules.base import Action, Kind, Schedule
+from megapipe.schedules.base import KIND_CODE, Action, Kind, RankOps, Schedule
 from megapipe.schedules.registry import (
     MEGATRON_SCHEDULES,
     SCHEDULE_NAMES,
@@ -20,6 +20,7 @@ from megapipe.schedules.registry import (
     megatron_warnings,
     peak_in_flight,
     rank_in_flight_profiles,
+    rank_ops,
     spec,
 )
 from megapipe.schedules.spec import InFlightFloor, PathShare, Placement, ScheduleName, ScheduleSpec
@@ -44,5 +45,8 @@ __all__ = [
     "megatron_warnings",
     "peak_in_flight",
     "rank_in_flight_profiles",
+    "rank_ops",
     "spec",
+    "KIND_CODE",
+    "RankOps",
 ]

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from megapipe.errors import ScheduleError
 
-__all__ = ["Kind", "Action", "Schedule", "loop_stage", "v_stage", "check_sizes"]
+__all__ = ["Kind", "KIND_CODE", "Action", "RankOps", "Schedule", "loop_stage", "v_stage", "check_sizes",
+           "rank_ops_of", "warmup_steady_cooldown"]
 
 
 class Kind(str, enum.Enum):
@@ -29,6 +30,10 @@ class Kind(str, enum.Enum):
     I = "I"  # noqa: E741 - torch.distributed.pipelining's letter for BACKWARD_INPUT
     W = "W"
     B = "B"
+
+
+KIND_CODE = {Kind.F: 0, Kind.I: 1, Kind.B: 2, Kind.W: 3}
+"""Each kind as a small integer, for orders kept as plain lists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,35 @@ class Action:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
     __repr__ = __str__
+
+
+@dataclass(frozen=True, slots=True)
+class RankOps:
+    """One rank's order as three parallel tuples, without Action objects: what a pass over many candidates'
+    orders reads (each op's :data:`KIND_CODE`, layout stage and microbatch)."""
+
+    kinds: tuple[int, ...]
+    stages: tuple[int, ...]
+    microbatches: tuple[int, ...]
+
+
+def rank_ops_of(orders: tuple[tuple[Action, ...], ...]) -> tuple[RankOps, ...]:
+    """Built orders as :class:`RankOps`."""
+    return tuple(RankOps(kinds=tuple(KIND_CODE[a.kind] for a in order), stages=tuple(a.stage for a in order),
+                         microbatches=tuple(a.microbatch for a in order)) for order in orders)
+
+
+def warmup_steady_cooldown(warmup: int, total: int):
+    """(is_backward, k) per op of Megatron's 1F1B-style order over ``total`` forwards: ``warmup`` forwards, then
+    forward warmup + k and backward k alternating, then the remaining backwards; as numpy arrays."""
+    import numpy as np
+
+    steady = total - warmup
+    backward = np.concatenate([np.zeros(warmup, dtype=np.int64), np.tile([0, 1], steady),
+                               np.ones(warmup, dtype=np.int64)])
+    k = np.concatenate([np.arange(warmup), np.stack([warmup + np.arange(steady), np.arange(steady)], axis=1).ravel(),
+                        np.arange(steady, total)])
+    return backward, k
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,12 +20,12 @@ from __future__ import annotations
 import numpy as np
 
 from megapipe.errors import ScheduleError
-from megapipe.schedules.base import Action, Kind, loop_stage
+from megapipe.schedules.base import KIND_CODE, Action, Kind, RankOps, loop_stage, warmup_steady_cooldown
 from megapipe.schedules.in_flight import interleaved_in_flight
 from megapipe.schedules.spec import ScheduleName, ScheduleSpec
 
 __all__ = ["SPEC", "interleaved_orders", "schedule_table", "check_interleaved", "interleaved_sizes_ok",
-           "interleaved_rank_counts"]
+           "interleaved_rank_counts", "interleaved_rank_ops"]
 
 
 def schedule_table(
@@ -132,6 +132,20 @@ def interleaved_rank_counts(pp: int, m: int, v: int, group: int) -> tuple[np.nda
     return tuple(out)
 
 
+def interleaved_rank_ops(pp: int, m: int, v: int, group: int) -> tuple[RankOps, ...]:
+    """:func:`interleaved_orders` as :class:`RankOps`, without building the actions (sizes already checked)."""
+    table = np.array(schedule_table(num_microbatches=m, num_model_chunks=v, microbatch_group_size_per_vp_stage=group))
+    total = m * v
+    out = []
+    for rank in range(pp):
+        backward, k = warmup_steady_cooldown(min(total, 2 * (pp - rank - 1) + (v - 1) * group), total)
+        chunk = np.where(backward == 1, v - 1 - table[k, 1], table[k, 1])
+        kinds = backward * (KIND_CODE[Kind.B] - KIND_CODE[Kind.F]) + KIND_CODE[Kind.F]
+        out.append(RankOps(kinds=tuple(kinds.tolist()), stages=tuple((chunk * pp + rank).tolist()),
+                           microbatches=tuple(table[k, 0].tolist())))
+    return tuple(out)
+
+
 def interleaved_sizes_ok(pp: int, m: int, v: int, group: int) -> bool:
     """The sizes :func:`check_interleaved` accepts, without raising."""
     return v >= 2 and pp >= 2 and pp <= group <= m and not 0 < m % group < pp
@@ -151,4 +165,5 @@ SPEC = ScheduleSpec(
     in_flight=interleaved_in_flight,
     sizes_ok=interleaved_sizes_ok,
     rank_counts=interleaved_rank_counts,
+    rank_ops=interleaved_rank_ops,
 )

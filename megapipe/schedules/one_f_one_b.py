@@ -8,10 +8,10 @@ backwards (cool-down). Backwards use Megatron's fused backward (kind ``B``).
 
 from __future__ import annotations
 
-from megapipe.schedules.base import Action, Kind
+from megapipe.schedules.base import KIND_CODE, Action, Kind, RankOps, warmup_steady_cooldown
 from megapipe.schedules.spec import InFlightFloor, PathShare, ScheduleName, ScheduleSpec
 
-__all__ = ["SPEC", "one_f_one_b_orders", "warmup_microbatches"]
+__all__ = ["SPEC", "one_f_one_b_orders", "one_f_one_b_rank_ops", "warmup_microbatches"]
 
 
 def warmup_microbatches(*, rank: int, pipeline_model_parallel_size: int, num_microbatches: int) -> int:
@@ -40,6 +40,17 @@ def one_f_one_b_orders(
     )
 
 
+def one_f_one_b_rank_ops(pp: int, m: int) -> tuple[RankOps, ...]:
+    """:func:`one_f_one_b_orders` as :class:`RankOps`, without building the actions."""
+    out = []
+    for rank in range(pp):
+        backward, microbatch = warmup_steady_cooldown(warmup_microbatches(
+            rank=rank, pipeline_model_parallel_size=pp, num_microbatches=m), m)
+        kinds = backward * (KIND_CODE[Kind.B] - KIND_CODE[Kind.F]) + KIND_CODE[Kind.F]
+        out.append(RankOps(kinds=tuple(kinds.tolist()), stages=(rank,) * (2 * m),
+                           microbatches=tuple(microbatch.tolist())))
+    return tuple(out)
+
 
 SPEC = ScheduleSpec(
     name=ScheduleName.one_f_one_b,
@@ -54,4 +65,5 @@ SPEC = ScheduleSpec(
     # Stage s keeps min(P - s, m) microbatches (Narayanan et al. 2021, sec. 2.2).
     in_flight=lambda pp, m, v, group: tuple(min(pp - stage, m) for stage in range(pp)),
     sizes_ok=lambda pp, m, v, group: v == 1,
+    rank_ops=lambda pp, m, v, group: one_f_one_b_rank_ops(pp, m),
 )

@@ -13,7 +13,7 @@ from functools import lru_cache
 import numpy as np
 
 from megapipe.errors import ScheduleError
-from megapipe.schedules.base import Kind, Schedule, check_sizes
+from megapipe.schedules.base import Kind, RankOps, Schedule, check_sizes, rank_ops_of
 from megapipe.schedules.dualpipe_v import SPEC as DUALPIPE_V
 from megapipe.schedules.gpipe import SPEC as GPIPE
 from megapipe.schedules.interleaved import SPEC as INTERLEAVED
@@ -30,6 +30,7 @@ __all__ = [
     "build",
     "peak_in_flight",
     "rank_in_flight_profiles",
+    "rank_ops",
     "chunks_per_rank",
     "megatron_schedule",
     "megatron_runs",
@@ -232,6 +233,22 @@ def rank_in_flight_profiles(
                                                 virtual_pipeline_model_parallel_size=v,
                                                 microbatch_group_size_per_vp_stage=group))
     return tuple(_pareto(rows) for rows in counts)
+
+
+@lru_cache(maxsize=512)
+def rank_ops(
+    name: str, *, pipeline_model_parallel_size: int, num_microbatches: int,
+    virtual_pipeline_model_parallel_size: int = 1, microbatch_group_size_per_vp_stage: int | None = None,
+) -> tuple[RankOps, ...]:
+    """Each rank's order as plain tuples (:class:`RankOps`), from the spec's closed form without building the
+    actions when it has one; sizes the builder rejects raise its ScheduleError."""
+    item = spec(name)
+    pp, m, v = pipeline_model_parallel_size, num_microbatches, virtual_pipeline_model_parallel_size
+    group = microbatch_group_size_per_vp_stage
+    if item.rank_ops is not None and _closed_form_applies(item, pp, m, v, group):
+        return item.rank_ops(pp, m, v, pp if group is None else group)
+    return rank_ops_of(build(name, pipeline_model_parallel_size=pp, num_microbatches=m,
+                             virtual_pipeline_model_parallel_size=v, microbatch_group_size_per_vp_stage=group).orders)
 
 
 def peak_in_flight(

@@ -83,6 +83,8 @@ Bubble = Callable[[int, int, int], "float | None"]
 InFlight = Callable[[int, int, int, int], tuple[int, ...]]
 """``(pp, m, v, group) -> peak in-flight microbatches per layout stage``, for sizes the builder accepts."""
 SizesOk = Callable[[int, int, int, int], bool]
+RankOpsForm = Callable[[int, int, int, int], tuple]
+"""``(pp, m, v, group) -> per rank, its order as a RankOps`` (for sizes the builder accepts)."""
 RankCounts = Callable[[int, int, int, int], tuple]
 """``(pp, m, v, group) -> per rank, an array of in-flight counts per chunk (one row per forward)``."""
 """``(pp, m, v, group) -> True`` when the builder accepts these sizes (so the closed forms apply)."""
@@ -125,6 +127,9 @@ class ScheduleSpec:
     rank_counts: RankCounts | None = None
     """Closed form of each rank's in-flight counts per chunk after each forward (for sizes the builder
     accepts); None means they are read from the built orders."""
+    rank_ops: RankOpsForm | None = None
+    """Closed form of each rank's order as plain lists (for sizes the builder accepts); None means they are read
+    from the built orders."""
     bound_class: tuple = field(init=False)
     """What the planner's closed-form bounds of a candidate depend on; schedules that share it share them."""
     memory_class: tuple = field(init=False)

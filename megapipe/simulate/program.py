@@ -18,11 +18,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megapipe.errors import ScheduleError
-from megapipe.schedules.base import Action, Kind, Schedule
+from megapipe.schedules.base import KIND_CODE, Action, Kind, Schedule
 
 __all__ = ["Program", "lower", "KIND_CODE"]
 
-KIND_CODE = {Kind.F: 0, Kind.I: 1, Kind.B: 2, Kind.W: 3}
 _SLOT = {Kind.F: 0, Kind.I: 1, Kind.B: 1, Kind.W: 2}
 
 
