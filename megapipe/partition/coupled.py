@@ -128,15 +128,55 @@ def _rank_problems(shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequ
 
 def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
                     profiles: Sequence[Sequence[Sequence[int]]]) -> bool:
-    """False only when no split of the decoders fits every rank's coupled memory (a relaxation: each rank's
-    largest total bounded by each memory row alone, no integer program)."""
-    found = _rank_problems(shape, stages, ranks, profiles)
-    if found is None or not all(problem.fits(problem.low) for problem in found[0]):
+    """False only when no split of the decoders fits every rank's coupled memory. Exact when every rank's rows
+    fall along its stages (every schedule's profiles do): all ranks at once on stacked arrays, each rank's
+    largest total back-loaded without a bound on the bottleneck, its rounding leaning to True (the solver
+    settles those); otherwise each memory row alone bounds a rank's total (a relaxation)."""
+    low = _lows(shape, len(ranks))
+    if sum(low) > shape.num_decoders:
+        return False
+    owned = rank_stages(ranks, len(stages))
+    arrays = [np.asarray(profile) for profile in profiles]
+    if all(len(array.shape) == 2 and array.shape[1] == len(own) for array, own in zip(arrays, owned)) \
+            and len({len(own) for own in owned}) == 1:
+        found = _stacked_capacity(shape, stages, owned, arrays, low)
+        if found is not None:
+            return found
+    problems = _rank_problems(shape, stages, ranks, profiles)[0]
+    if not all(problem.fits(problem.low) for problem in problems):
         return False
     top = shape.num_decoders
-    if all(problem.monotone for problem in found[0]):  # exact, and as cheap as the relaxation
-        return sum(problem.largest((top,) * len(problem.stages)) for problem in found[0]) >= top
-    return sum(problem.upper((top,) * len(problem.stages)) for problem in found[0]) >= top - 1e-9
+    return sum(problem.upper((top,) * len(problem.stages)) for problem in problems) >= top - 1e-9
+
+
+def _stacked_capacity(shape: UniformShape, stages, owned, arrays, low) -> bool | None:
+    """:func:`uniform_may_fit` for ranks of equally many stages, on their stacked rows (None: some rank's rows do
+    not fall along its stages). With every other stage at its fewest decoders, back-loading fills a rank's last
+    stage until a row's room runs out (each rank's largest total, as :meth:`RankProblem.largest` finds it); a
+    rank whose last stage takes every decoder settles it at once."""
+    decoder, top = shape.decoder, shape.num_decoders
+    counts = np.concatenate(arrays).astype(float)
+    weights = decoder.static_bytes + counts * decoder.act_bytes
+    if not (weights[:, :-1] >= weights[:, 1:]).all():
+        return None
+    sizes = [len(array) for array in arrays]
+    if not all(sizes):
+        return None
+    rank_of_row = np.repeat(np.arange(len(arrays)), sizes)
+    lows = np.array([[low[s] for s in own] for own in owned], dtype=float)
+    room = np.array([stage.memory_bytes for stage in stages], dtype=float)[rank_of_row]
+    for entry, stage in ((shape.head, 0), (shape.tail, len(low) - 1)):
+        if entry is not None:
+            rank, position = next((r, own.index(stage)) for r, own in enumerate(owned) if stage in own)
+            rows = rank_of_row == rank
+            room[rows] -= entry.static_bytes + counts[rows, position] * entry.act_bytes
+    spare = room + 2e-9 * np.maximum(1.0, np.abs(room)) - (weights * lows[rank_of_row]).sum(axis=1)
+    if (spare < 0).any():
+        return False
+    last = weights[:, -1]
+    within = np.where(last > 0, np.floor(spare / np.where(last > 0, last, 1.0) + 1e-9), top)
+    most = np.minimum.reduceat(within, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+    return float((lows.sum(axis=1) + np.minimum(most, top)).sum()) >= top
 
 
 def uniform_fits(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],

@@ -16,7 +16,7 @@ import math
 import dataclasses
 from dataclasses import dataclass
 
-from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, stage_ranks
+from megapipe.partition.memory import in_flight_counts, stage_ranks
 from megapipe.partition.coupled import uniform_may_fit, uniform_shape
 from megapipe.plan.bounds import least_in_flight, split_can_fit, water_level
 from megapipe.plan.layer_costs import LayerCosts
@@ -247,11 +247,8 @@ class CandidateBounds:
         pp = cand.parallel.pipeline_model_parallel_size
         if len(ranks) == pp:
             return split_can_fit(shape=shape, caps=[specs[rank].memory_bytes for rank in ranks], in_flight=in_flight)
-        # Ranks hold several chunks: the per-chunk shares are a quick sufficient test, the coupled relaxation a
-        # necessary one (the solver settles the rest exactly).
-        caps = chunk_memory_caps(layers=self.costs.bound_layers(cand), stages=specs, in_flight=in_flight, ranks=ranks)
-        if split_can_fit(shape=shape, caps=caps, in_flight=in_flight):
-            return True
+        # Ranks hold several chunks: their coupled memory, decided for all ranks at once (the solver settles the
+        # rounding cases exactly).
         par = cand.parallel
         profiles = rank_in_flight_profiles(
             cand.schedule, pipeline_model_parallel_size=pp, num_microbatches=cand.num_microbatches,
