@@ -267,11 +267,13 @@ class _UniformSearch:
 
     def candidates(self, lower_bound: float | None) -> list[float]:
         """The values a bottleneck can take (some stage's time on its rank's GPU), from ``lower_bound`` up."""
-        values = sorted({self.stages[self.ranks[s]].time_scale * (self.pinned[s][0] + d * self.unit)
-                         for s in range(len(self.ranks)) for d in range(self.low[s], self.num_decoders + 1)})
+        kinds = {(self.stages[self.ranks[s]].time_scale, self.pinned[s][0], self.low[s]) for s in range(len(self.ranks))}
+        counts = np.arange(self.num_decoders + 1, dtype=float)
+        values = np.unique(np.concatenate([scale * (pinned + counts[low:] * self.unit) for scale, pinned, low in kinds]))
         if lower_bound is not None:
-            values = [value for value in values if value >= lower_bound * (1 - 1e-12)] or values[-1:]
-        return values
+            above = values[values >= lower_bound * (1 - 1e-12)]
+            values = above if len(above) else values[-1:]
+        return values.tolist()
 
 
 def _first_ok(values: Sequence[float], ok) -> int:

@@ -71,6 +71,7 @@ class CandidateBounds:
         self._busiest: dict[tuple, float] = {}
         self._dp_terms: dict[tuple, tuple[float, float]] = {}
         self._layouts: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._kinds: dict[tuple, tuple] = {}
 
     def totals(self, cand: Candidate) -> _Totals:
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
@@ -209,9 +210,8 @@ class CandidateBounds:
         par = cand.parallel
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
         least = least_in_flight(cand.schedule, pp, m)
-        layers = self.costs.bound_layers(cand)
-        decoders = list({id(layer): layer for layer in layers if layer.kind == LayerKind.decoder}.values())
-        if not decoders:
+        layers, kinds = self._decoder_kinds(cand)
+        if not kinds:
             totals = self.totals(cand)
             return (totals.static_bytes + totals.act_bytes) / pp
         pinned = [0.0] * pp
@@ -221,12 +221,21 @@ class CandidateBounds:
                 pinned[rank] += layer.static_bytes + least[rank] * layer.act_bytes
         # For each decoder kind d (dense, MoE): the layers at least as heavy as d, each costed as d, must
         # fit on their own (the other layers only add), so every such water level bounds the fullest rank.
-        decoder_layers = [layer for layer in layers if layer.kind == LayerKind.decoder]
-        return max(
-            water_level(pinned, [d.static_bytes + k * d.act_bytes for k in least],
-                        sum(1 for e in decoder_layers if e.static_bytes >= d.static_bytes and e.act_bytes >= d.act_bytes))
-            for d in decoders
-        )
+        return max(water_level(pinned, [static + k * act for k in least], heavier) for static, act, heavier in kinds)
+
+    def _decoder_kinds(self, cand: Candidate) -> tuple[tuple, tuple[tuple[float, float, int], ...]]:
+        """The bound profile and, per distinct decoder entry, (static bytes, activation bytes, how many decoders
+        are at least as heavy in both); per layer key and DP."""
+        key = cand.layer_key + (cand.parallel.data_parallel_size,)
+        found = self._kinds.get(key)
+        if found is None:
+            layers = self.costs.bound_layers(cand)
+            decoders = [layer for layer in layers if layer.kind == LayerKind.decoder]
+            distinct = {id(layer): layer for layer in decoders}.values()
+            found = self._kinds[key] = (layers, tuple(
+                (d.static_bytes, d.act_bytes, sum(1 for e in decoders if e.static_bytes >= d.static_bytes
+                                                  and e.act_bytes >= d.act_bytes)) for d in distinct))
+        return found
 
     def split_can_fit(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> bool:
         """False only when the solver would find no split within memory (closed form, no solve).

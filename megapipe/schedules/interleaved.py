@@ -115,8 +115,10 @@ def interleaved_orders(
 
 
 def interleaved_rank_counts(pp: int, m: int, v: int, group: int) -> tuple[np.ndarray, ...]:
-    """Per rank, the in-flight microbatches of each of its chunks right after each of its forwards (rows), from
-    the same warm-up / steady / cool-down order as :func:`_rank_order`, without building the actions."""
+    """Per rank, the in-flight microbatches of each of its chunks right after its forwards (rows) that can be a
+    peak, from the same warm-up / steady / cool-down order as :func:`_rank_order`, without building the actions:
+    the last warm-up forward (counts only grow until then) and every steady one (each adds a microbatch and
+    the backward before it removed one); the cool-down runs no forward."""
     chunks = np.array([chunk for _, chunk in schedule_table(num_microbatches=m, num_model_chunks=v,
                                                              microbatch_group_size_per_vp_stage=group)])
     total = m * v
@@ -127,7 +129,7 @@ def interleaved_rank_counts(pp: int, m: int, v: int, group: int) -> tuple[np.nda
     for rank in range(pp):
         warmup = min(total, 2 * (pp - rank - 1) + (v - 1) * group)
         steady = np.arange(total - warmup)
-        rows = np.concatenate([forwards[1:warmup + 1], forwards[warmup + 1 + steady] - backwards[steady]])
+        rows = np.concatenate([forwards[max(warmup, 1):warmup + 1], forwards[warmup + 1 + steady] - backwards[steady]])
         out.append(rows)
     return tuple(out)
 
