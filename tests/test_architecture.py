@@ -192,3 +192,15 @@ def test_every_command_prepares_its_own_inputs():
                     wrong[path.stem] = ast.unparse(node.returns) if node.returns else None
     assert wrong == {}
     assert {"plan", "simulate", "partition", "replan", "calibrate", "validate", "profile", "pack"} <= set(checked)
+
+
+def test_pictures_are_made_in_one_place():
+    """Every picture is built on report/canvas.py: no module uses pyplot (its global figure list) or saves a figure
+    itself, so the pinned style, the DPI and the atomic write hold for all of them."""
+    offenders = []
+    for module, path in MODULES.items():
+        if "matplotlib.pyplot" in _imports(module, path):
+            offenders.append(f"{module} imports pyplot")
+        if module != "megapipe.report.canvas" and ".savefig(" in path.read_text():
+            offenders.append(f"{module} saves a figure")
+    assert offenders == []

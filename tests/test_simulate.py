@@ -391,3 +391,19 @@ def test_stage_times_set_the_pipeline_size_and_bad_times_are_one_line(tmp_path, 
         assert main(["simulate", f"stage_times={bad}", "train.num_microbatches=4", f"output.dir={tmp_path}"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and fragment in err[0]
+
+
+def test_gantt_blends_ops_thinner_than_a_pixel():
+    """A thousand microbatches on 32 ranks: each rank's row is one image of blended pixel columns (drawing each op
+    at a pixel would paint stripes that are not there), and the legend says how to read it."""
+    from matplotlib.image import AxesImage
+
+    from megapipe.report.gantt import gantt_figure
+
+    result = simulate(_build("1f1b", 32, 1024), StageTimes.uniform(32, fwd_ms=1.0, input_grad_ms=2.0))
+    figure = gantt_figure(result)
+    axes = figure.axes[0]
+    assert sum(isinstance(child, AxesImage) for child in axes.get_children()) == 32
+    assert any("mixes the colours" in text.get_text() for legend in figure.legends for text in legend.get_texts())
+    few = gantt_figure(simulate(_build("1f1b", 4, 6), StageTimes.uniform(4, fwd_ms=1.0, input_grad_ms=2.0)))
+    assert not any(isinstance(child, AxesImage) for child in few.axes[0].get_children())

@@ -19,7 +19,7 @@ from megapipe.commands.common import console, matched_profile, print_json
 from megapipe.config import Scenario, recorded_inputs, to_scenario
 from megapipe.config.options import output_options, search_options
 from megapipe.emit import BridgeKeys, launch_line
-from megapipe.placement import node_ranges
+from megapipe.placement import gpus_by_name, node_ranges
 from megapipe.plan.document import json_summary
 from megapipe.plandir import GANTT_FILE, MEMORY_FILE, PLAN_DIR_FILES, write_plan
 from megapipe.plan.interval import format_interval
@@ -95,15 +95,22 @@ def _picture_files(directory: str, result: SearchResult) -> tuple[str, ...]:
     return tuple(os.path.join(directory, name) for name in (*names, MEMORY_FILE))
 
 
-def _pictures(directory: str, result: SearchResult, *, usable_gib: float) -> None:
+def _pictures(directory: str, result: SearchResult, *, model_name: str, cluster) -> None:
     from megapipe.report.plots import memory_chart
 
-    memory_chart(result.best, os.path.join(directory, MEMORY_FILE), baseline=result.baseline, usable_gib=usable_gib)
-    if result.best.simulation is not None:
+    best = result.best
+    gpus = gpus_by_name(cluster, best.stage_gpus) if best.stage_gpus else (cluster.gpu,) * len(best.stages)
+    usable = [gpu.usable_memory_bytes / GIB for gpu in gpus]
+    memory_chart(best, os.path.join(directory, MEMORY_FILE), baseline=result.baseline,
+                 usable_gib=usable[0] if len(set(usable)) == 1 else usable)
+    if best.simulation is not None:
         from megapipe.report.gantt import gantt_png
 
-        gantt_png(result.best.simulation, os.path.join(directory, GANTT_FILE),
-                  title=f"{result.best.schedule}: {result.best.layout}")
+        par, sim = best.parallel, best.simulation
+        gantt_png(sim, os.path.join(directory, GANTT_FILE), title=(
+            f"{model_name}, {best.schedule} TP{par.tensor_model_parallel_size} PP{par.pipeline_model_parallel_size} "
+            f"VP{par.virtual_pipeline_model_parallel_size}, {best.num_microbatches} microbatches: pipeline "
+            f"{sim.step_time_ms:,.0f} ms, bubble {sim.bubble_fraction:.1%}; layout {best.layout}"))
 
 
 def run(job: PlanInputs, *, directory: str) -> None:
@@ -127,7 +134,7 @@ def run(job: PlanInputs, *, directory: str) -> None:
         print_plans(result, scenario=scenario, reference=job.search.reference, emitted=emitted, directory=directory,
                     files=files, nodes=nodes)
     if job.output.pictures:  # after the answer: matplotlib takes longer than the search
-        _pictures(directory, result, usable_gib=scenario.cluster.gpu.usable_memory_bytes / GIB)
+        _pictures(directory, result, model_name=scenario.model.name, cluster=scenario.cluster)
 
 
 def _launch_line(cluster: ClusterSpec, emitted) -> str:

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 from megapipe.files import atomic_write_bytes
 
-__all__ = ["DPI", "pinned_style", "new_figure", "place_axes", "fitted", "save_png"]
+__all__ = ["DPI", "pinned_style", "new_figure", "place_axes", "fitted", "text_width_in", "title_lines",
+           "put_title", "legend_width_in", "legend_row", "save_png"]
 
 DPI = 100
 """Pixels per inch of every picture: a 12-inch-wide figure is 1,200 pixels wide."""
@@ -55,14 +56,8 @@ def fitted(figure, text: str, *, width_in: float, fontsize: float, max_lines: in
            breaks: str = " |") -> str:
     """``text`` in at most ``max_lines`` lines no wider than ``width_in`` at ``fontsize``, broken after one of
     ``breaks`` where it can be, the last line cut with an ellipsis when the rest does not fit."""
-    from matplotlib.font_manager import FontProperties
-
-    renderer = figure.canvas.get_renderer()
-    limit_px = width_in * figure.dpi
-    prop = FontProperties(size=fontsize)
-
     def fits(line: str) -> bool:
-        return renderer.get_text_width_height_descent(line, prop, ismath=False)[0] <= limit_px
+        return text_width_in(figure, line, fontsize=fontsize) <= width_in
 
     lines, rest = [], text
     while rest and len(lines) < max_lines:
@@ -82,6 +77,14 @@ def fitted(figure, text: str, *, width_in: float, fontsize: float, max_lines: in
     return "\n".join(lines)
 
 
+def text_width_in(figure, text: str, *, fontsize: float) -> float:
+    """How wide ``text`` is drawn at ``fontsize`` on the figure, in inches."""
+    from matplotlib.font_manager import FontProperties
+
+    renderer = figure.canvas.get_renderer()
+    return renderer.get_text_width_height_descent(text, FontProperties(size=fontsize), ismath=False)[0] / figure.dpi
+
+
 def _longest_fitting(text: str, fits, *, suffix: str) -> int:
     """The longest prefix length of ``text`` that fits with ``suffix`` after it (a bisection: measuring a line
     costs milliseconds)."""
@@ -95,6 +98,34 @@ def _longest_fitting(text: str, fits, *, suffix: str) -> int:
         else:
             high = middle - 1
     return low
+
+
+def title_lines(figure, text: str, *, width_in: float, fontsize: float = 11,
+                max_lines: int = 2) -> tuple[str, float]:
+    """``text`` fitted to ``width_in`` (:func:`fitted`), and the height in inches it takes as the figure's title
+    (its lines and the margins), which the layout keeps free of axes."""
+    lines = fitted(figure, text, width_in=width_in, fontsize=fontsize, max_lines=max_lines)
+    return lines, 0.2 + 0.2 * (lines.count("\n") + 1) * fontsize / 11
+
+
+def put_title(figure, lines: str, *, fontsize: float = 11) -> None:
+    """The title from :func:`title_lines`, centred at the top; call it once the figure has its final size."""
+    height_in = figure.get_size_inches()[1]
+    figure.text(0.5, 1 - 0.12 / height_in, lines, ha="center", va="top", fontsize=fontsize, linespacing=1.1)
+
+
+def legend_width_in(figure, labels, *, fontsize: float = 9) -> float:
+    """How wide :func:`legend_row` draws ``labels`` in one row: each label with its handle and the gaps."""
+    return sum(text_width_in(figure, label, fontsize=fontsize) + fontsize * 0.07 for label in labels) + 0.2
+
+
+def legend_row(figure, handles, labels, *, top_in: float, fontsize: float = 9, **options):
+    """A frameless legend in one row, centred, its top ``top_in`` inches above the figure's bottom edge: under an
+    axis, outside the data, so it never covers a bar."""
+    height_in = figure.get_size_inches()[1]
+    options.setdefault("ncol", max(1, len(handles)))
+    return figure.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, top_in / height_in),
+                         fontsize=fontsize, frameon=False, borderaxespad=0.2, **options)
 
 
 def save_png(figure, path: str) -> str:

@@ -1,7 +1,8 @@
-"""``megapipe pack``'s picture: every node of the cluster as a cell, coloured by the job it runs.
+"""``megapipe pack``'s picture of the nodes: every node of the cluster as a cell, coloured by the job it runs.
 
-One panel per packing (the packing, and the what-if repacking when there is one); node groups are rows
-of cells in their order, nodes numbered from 0 in each group. Same inputs, same bytes (pinned metadata).
+One panel per packing (the packing at its start, and the what-if repacking when there is one); node groups are
+rows of cells in their order, up to 32 cells a row, nodes numbered from 0 in each group. Laid out in inches on
+:mod:`megapipe.report.canvas` (same inputs, same bytes).
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from megapipe.report.plots import _pyplot, save_png
+from megapipe.report.canvas import (legend_row, legend_width_in, new_figure, pinned_style, place_axes, put_title,
+                                    save_png, text_width_in, title_lines)
 
-__all__ = ["node_owners", "cluster_map"]
+__all__ = ["FAILED", "job_colours", "node_owners", "cluster_map"]
 
 
 FAILED = "(failed)"
+_CELL_IN, _COLUMNS, _PANEL_TITLE_IN, _GAP_IN = 0.3, 32, 0.35, 0.15
 
 
 def node_owners(capacities: Sequence[int], placed: Sequence[tuple[str, int, int] | None],
@@ -36,35 +39,69 @@ def node_owners(capacities: Sequence[int], placed: Sequence[tuple[str, int, int]
     return owners
 
 
-def cluster_map(panels: Sequence[tuple[str, list[list[str | None]]]], group_names: Sequence[str], path: str) -> str:
-    """``panels``: (title, node_owners(...)) each; writes a PNG."""
-    plt = _pyplot()
-    names = sorted({name for _, owners in panels for row in owners for name in row if name not in (None, FAILED)})
-    colours = plt.get_cmap("tab20")
-    colour = {name: colours((2 * index) % 20 + (2 * index // 20) % 2) for index, name in enumerate(names)}
-    colour[FAILED] = "#222222"
-    if any(FAILED in row for _, owners in panels for row in owners):
-        names.append(FAILED)
-    width = max(1, max(len(row) for _, owners in panels for row in owners))
-    columns = min(width, 32)
-    heights = [sum(max(1, math.ceil(len(row) / columns)) for row in owners) for _, owners in panels]
-    figure, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + 0.35 * sum(heights) + 0.8 * len(panels)),
-                                squeeze=False)
-    for axis, (title, owners) in zip(axes[:, 0], panels):
-        y = 0
-        for group, row in enumerate(owners):
-            lines = max(1, math.ceil(len(row) / columns))
-            for node, name in enumerate(row):
-                cx, cy = node % columns, y + node // columns
-                axis.add_patch(plt.Rectangle((cx, -cy - 1), 0.92, 0.92, color=colour[name] if name else "#dddddd"))
-            axis.text(-0.5, -y - 0.5, f"{group_names[group]} ({len(row)})", ha="right", va="center", fontsize=7)
-            y += lines
-        axis.set_xlim(-6, columns)
-        axis.set_ylim(-y - 0.2, 0.2)
-        axis.set_aspect("equal")
-        axis.axis("off")
-        axis.set_title(title, fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[name]) for name in names]
-    figure.legend(handles, names, loc="lower center", ncol=min(6, max(1, len(names))), fontsize=7, frameon=False)
-    figure.tight_layout(rect=(0, 0.08, 1, 1))
+def job_colours(names: Sequence[str]) -> dict[str, tuple]:
+    """One colour per job name, in sorted order, from matplotlib's tab20 (the strong shades first)."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab20"]
+    ordered = sorted(names)
+    return {name: palette((2 * index) % 20 + (2 * index // 20) % 2) for index, name in enumerate(ordered)}
+
+
+def cluster_map(panels: Sequence[tuple[str, list[list[str | None]]]], group_names: Sequence[str], path: str, *,
+                colours: dict | None = None) -> str:
+    """``panels``: (title, node_owners(...)) each; ``colours``: per job name (:func:`job_colours`, so other pictures
+    of the same jobs agree), else from the names shown; writes a PNG."""
+    with pinned_style():
+        figure = _figure(panels, group_names, colours)
     return save_png(figure, path)
+
+
+def _figure(panels, group_names: Sequence[str], colours: dict | None):
+    from matplotlib.patches import Rectangle
+
+    names = sorted({name for _, owners in panels for row in owners for name in row if name not in (None, FAILED)})
+    colour = {**(colours or job_colours(names)), FAILED: "#222222"}
+    labels = names + ([FAILED] if any(FAILED in row for _, owners in panels for row in owners) else [])
+    widest = max(len(row) for _, owners in panels for row in owners)
+    columns = max(1, min(widest, _COLUMNS))
+    figure = new_figure(10.0, 1.0)
+    label_in = 0.3 + max(text_width_in(figure, f"{name} ({n})", fontsize=8) for name, n in
+                         zip(group_names, (len(row) for row in panels[0][1])))
+    width_in = max(label_in + columns * _CELL_IN + 0.3, legend_width_in(figure, labels, fontsize=8) + 0.4, 5.0)
+    title, top_in = title_lines(figure, "megapipe pack: each node by the job it runs", width_in=width_in - 0.4)
+    lines = [sum(max(1, math.ceil(len(row) / columns)) for row in owners) for _, owners in panels]
+    legend_rows = max(1, math.ceil(legend_width_in(figure, labels, fontsize=8) / (width_in - 0.4)))
+    bottom_in = 0.3 * legend_rows + 0.15
+    height_in = top_in + sum(_PANEL_TITLE_IN + count * _CELL_IN + _GAP_IN for count in lines) + bottom_in
+    figure.set_size_inches(width_in, height_in)
+    put_title(figure, title)
+    top = height_in - top_in
+    for (panel_title, owners), count in zip(panels, lines):
+        top -= _PANEL_TITLE_IN + count * _CELL_IN
+        axes = place_axes(figure, left_in=label_in, bottom_in=top, width_in=columns * _CELL_IN,
+                          height_in=count * _CELL_IN)
+        top -= _GAP_IN
+        _cells(axes, owners, colour, columns=columns, group_names=group_names, rows=count)
+        axes.set_title(panel_title, fontsize=10, loc="left")
+    handles = [Rectangle((0, 0), 1, 1, color=colour[name]) for name in labels]
+    legend_row(figure, handles, labels, top_in=bottom_in - 0.05, fontsize=8,
+               ncol=max(1, math.ceil(len(labels) / legend_rows)))
+    return figure
+
+
+def _cells(axes, owners, colour, *, columns: int, group_names: Sequence[str], rows: int) -> None:
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Rectangle
+
+    patches, faces, y = [], [], 0
+    for group, row in enumerate(owners):
+        for node, name in enumerate(row):
+            patches.append(Rectangle((node % columns + 0.04, y + node // columns + 0.04), 0.92, 0.92))
+            faces.append(colour[name] if name else "#dddddd")
+        axes.text(-0.3, y + 0.5, f"{group_names[group]} ({len(row)})", ha="right", va="center", fontsize=8)
+        y += max(1, math.ceil(len(row) / columns))
+    axes.add_collection(PatchCollection(patches, facecolors=faces, edgecolors="none"))
+    axes.set_xlim(0, columns)
+    axes.set_ylim(rows, 0)
+    axes.axis("off")
