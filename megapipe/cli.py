@@ -178,7 +178,7 @@ def _precheck_sweep(command: str, module, overrides: list[str]) -> None:
         else:
             choices.append([override.input_line])
     for combo in itertools.islice(itertools.product(*choices), _MAX_PRECHECK):
-        module.prepare(compose([*combo, f"hydra.job.name={command}"]))
+        module.prepare(compose([*combo, f"hydra.job.name={command}"], return_hydra_config=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -329,7 +329,7 @@ def _task(command: str, module, multirun: bool, runtime_path: str | None):
 
         directory = str(cfg.output.get("dir") or HydraConfig.get().runtime.output_dir)
         try:
-            module.run(module.prepare(with_runtime_file(cfg, runtime_path)), directory=directory)
+            module.run(module.prepare(_with_command_line(with_runtime_file(cfg, runtime_path))), directory=directory)
         except MegapipeError as exc:
             code = _fail(command, str(exc))
             if not multirun:
@@ -337,6 +337,19 @@ def _task(command: str, module, multirun: bool, runtime_path: str | None):
             _record_failure(directory, " ".join(str(exc).split()))
 
     return task
+
+
+def _with_command_line(cfg):
+    """A sweep job's config with Hydra's record of its command line (``hydra.overrides.task``), as a single run's
+    composed config has it: what a command reads to tell the user's settings from the defaults."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    if "hydra" in cfg:
+        return cfg
+    with open_dict(cfg):
+        cfg.hydra = {"overrides": {"task": list(HydraConfig.get().overrides.task)}}
+    return cfg
 
 
 def _record_failure(directory: str, message: str) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from megapipe.cli import main
 from megapipe.errors import InfeasibleError
 from megapipe.pack import Option, solve_brute, solve_dp, solve_milp
-from megapipe.pack.pack import _timeline
+from megapipe.pack.timeline import run_timeline
 from megapipe.records import JobSpec, ModelSpec, TrainSpec
 
 MODEL = ModelSpec(name="m", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=128, vocab_size=256,
@@ -135,13 +135,19 @@ def test_timeline_gives_finished_jobs_nodes_to_the_others():
             return [options[0][0], options[1][0]]
         return [options[active[0]][1]]
 
-    finish, average, repacks, restarts = _timeline(jobs, decide, peak=4e6 * 1e9, restart_h=0.5)
+    run = run_timeline(jobs, decide, peak=4e6 * 1e9, restart_h=0.5)
+    finish = run.finish_h
     assert finish[0] == pytest.approx(1.0)  # 3.6e9 tokens at 1e6/s
     # b: 3.6e9 done in the first hour, 3.24e10 left at 2e6/s after a 0.5 h restart
     assert finish[1] == pytest.approx(1.0 + 0.5 + 3.24e10 / 2e6 / 3600)
-    assert repacks == 1 and restarts == 1
+    assert run.repacks == 1 and run.restarts == 1
     done = 2 * 1e6 * 1e9 * 3600 + 2e6 * 1e9 * (finish[1] - 1.5) * 3600
-    assert average == pytest.approx(done / (4e6 * 1e9 * finish[1] * 3600))
+    assert run.average_utilisation == pytest.approx(done / (4e6 * 1e9 * finish[1] * 3600))
+    assert run.average_weighted_flops_per_s == pytest.approx(done / (finish[1] * 3600))  # both weights 1
+    # the segments the picture draws: a and b on 2 nodes each for an hour, then b on 4 after its restart
+    assert [(s.job, s.nodes, s.start_h, s.restart_h) for s in run.segments] == [
+        (0, 2, 0.0, 0.0), (1, 2, 0.0, 0.0), (1, 4, pytest.approx(1.0), 0.5)]
+    assert run.segments[-1].end_h == pytest.approx(finish[1])
 
 
 # -- the command, on the cost model ----------------------------------------------------------------------
@@ -234,3 +240,55 @@ def test_a_job_that_cannot_take_a_pinned_setting_is_named(capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert "error: jobs.jobs[1] (odd):" in err and "tensor_model_parallel_size=8" in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("overrides", "nodes"), [
+    ([], 64),  # lab_mix is written for 64 nodes: the default pack run packs on 64, as its description says
+    (["cluster.num_nodes=8"], 8),
+    (["jobs.jobs=[{name: a, model: llama3_8b, global_batch_size: 64}]"], 16),  # another list: the cluster's own
+    (["cluster=mixed_h100_a100"], 16),
+])
+def test_the_job_list_sets_the_node_count_unless_the_command_line_does(overrides, nodes):
+    from megapipe.config import compose
+    from megapipe.config.jobs import with_jobs_nodes
+
+    cfg, source = with_jobs_nodes(compose([*overrides, "hydra.job.name=pack"], return_hydra_config=True))
+    assert cfg.cluster.num_nodes == nodes and (source is not None) == (nodes == 64)
+    composed, none = with_jobs_nodes(compose(overrides))  # outside the CLI the command line is unknown
+    assert none is None and composed.cluster.num_nodes == compose(overrides).cluster.num_nodes
+
+
+def test_pack_yaml_shows_the_work(packed):
+    """Every option the packing chose among (job, node group, node count, throughput, the plan), the policies' aims,
+    and the timeline the picture draws."""
+    doc = yaml.safe_load((packed / "pack.yaml").read_text())
+    options = doc["options"]
+    assert {entry["job"] for entry in options} == {"big", "small"}
+    assert {"job", "gpu", "nodes", "tokens_per_s", "model_tflops_per_s", "plan"} <= set(options[0])
+    assert options[0]["plan"].startswith("TP") and "mbs" in options[0]["plan"]
+    taken = {entry["job"]: entry["nodes"] for entry in options if entry.get("packed")}
+    assert taken == {a["job"]: a["nodes"] for a in doc["assignments"]}
+    assert all(policy["aim"] for policy in doc["policies"])
+    assert {segment["job"] for segment in doc["timeline"]} == {"big", "small"}
+    assert (packed / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_gain_is_quoted_over_a_policy_that_cannot_place_a_job():
+    from megapipe.pack.pack import Policy, gain
+
+    ours = Policy(name="packed", aim="", options=(_option(0, 2, 1e6),), weighted_flops_per_s=2e15, utilisation=0.5,
+                  makespan_h=1.0, deadlines_met=0, met_weight=0.0)
+    broken = Policy(name="even split", aim="", options=(None,), weighted_flops_per_s=1e15, utilisation=0.2,
+                    makespan_h=math.inf, deadlines_met=0, met_weight=0.0)
+    assert gain(ours, broken, "throughput") is None
+
+
+def test_the_even_split_names_the_job_it_cannot_place():
+    from megapipe.config import compose, to_scenario
+    from megapipe.pack.pack import _even_split
+
+    cluster = to_scenario(compose(["cluster.num_nodes=4"]), search=True).cluster
+    jobs = [_job("wide", tokens=1e9), _job("narrow", tokens=1e9)]
+    options = [[_option(0, 4, 2e6)], [_option(0, 1, 1e6), _option(0, 2, 2e6)]]
+    policy = _even_split(jobs, options, cluster, (4,), peak=1e18, restart_h=0.0)
+    assert policy.options[0] is None and policy.note.startswith("wide fits in no even share of 2 nodes")

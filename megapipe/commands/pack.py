@@ -1,10 +1,12 @@
 """``megapipe pack``: share a cluster between training jobs; each job's nodes, GPU type and plan.
 
-Reads ``cluster`` (node groups, mixed GPU types included), ``jobs`` (a hydra_conf/jobs list) and ``pack``
-(objective, node counts, baselines, what-ifs). Writes into the run directory: ``pack.yaml``
-(megapipe-pack/1: the assignments, every policy's figures and the gains), ``cluster.png`` (the nodes by
-job) and ``jobs/<name>/`` per job, a plan dir as ``megapipe plan`` writes it (plan.yaml, Megatron-LM
-arguments and launch script, Megatron-Bridge and NeMo overrides), for the job on its nodes.
+Reads ``cluster`` (node groups, mixed GPU types included; a homogeneous cluster gets the job list's
+``jobs.num_nodes`` unless the command line sets ``cluster=`` or ``cluster.num_nodes=``), ``jobs`` (a
+hydra_conf/jobs list) and ``pack`` (objective, node counts, baselines, what-ifs); every job is searched with
+the command line's ``parallel.*``, ``schedule=``, ``train.*`` and ``search.*`` as ``megapipe plan`` would. Prints
+each job's place and plan, then every policy (what it optimises, its throughput over the run, makespan and
+deadlines met) beside the packing, and, when the packing misses a deadline and every job has one, the packing
+for deadlines too.
 """
 
 from __future__ import annotations
@@ -18,20 +20,35 @@ from omegaconf import DictConfig, OmegaConf
 
 from megapipe.commands.common import console, print_json, warn
 from megapipe.config import Scenario, recorded_inputs, to_scenario
-from megapipe.config.jobs import jobs_of, pack_options
+from megapipe.config.jobs import jobs_of, pack_options, with_jobs_nodes
 from megapipe.config.options import output_options, search_options
 from megapipe.errors import ConfigError
 from megapipe.files import atomic_write_text, dump_yaml
-from megapipe.plandir import write_plan
+from megapipe.plandir import PLAN_DIR_FILES, write_plan
 from megapipe.pack import gain, pack_jobs
 from megapipe.pack.curves import sub_cluster
-from megapipe.pack.document import pack_document, utilisation_gain
+from megapipe.pack.document import pack_document, plan_summary, policies, utilisation_gain
+from megapipe.pack.pack import AIMS
 from megapipe.plan.interval import format_share, throughput_interval
 from megapipe.plan.space import pinned_problem
 from megapipe.records import JobSpec
 from megapipe.options import OutputOptions, PackOptions, SearchOptions
 
-__all__ = ["PackInputs", "prepare", "run"]
+__all__ = ["PackInputs", "prepare", "run", "CONFIG_KEYS", "FILES"]
+
+CONFIG_KEYS = ("jobs", "pack", "cluster", "runtime", "parallel", "train", "schedule", "search.objective",
+               "search.allow_cross_node_tp", "search.max_pipeline_model_parallel_size",
+               "search.max_virtual_pipeline_model_parallel_size", "output.format", "output.dir", "output.pictures",
+               "output.bridge_keys")
+"""What `megapipe pack --help` lists (:mod:`megapipe.config.keys`)."""
+FILES = (("pack.yaml", "the packing (megapipe-pack/1): each job's place and plan, every policy's figures and aim, "
+                       "every option the packing chose among (options:), the timeline"),
+         ("cluster.png", "every node coloured by its job at the start, and after the what-if when there is one"),
+         ("timeline.png", "nodes by hours: each job's block until its budget is done, the repacks and restarts"),
+         ("jobs/<name>/", "a plan dir per job as megapipe plan writes it, without pictures (megapipe plan --help): "
+                          + ", ".join(name for name, _ in PLAN_DIR_FILES[:4]) + ", ..."))
+"""What `megapipe pack --help` lists as written."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PackInputs:
@@ -42,6 +59,8 @@ class PackInputs:
     search: SearchOptions
     output: OutputOptions
     inputs: dict
+    nodes_source: str | None = None
+    """Where the cluster's node count comes from when the job list set it."""
 
 
 PACK_MAX_VIRTUAL = 4
@@ -50,6 +69,7 @@ pack searches every job at every node count, and the full VP range multiplies th
 
 
 def prepare(cfg: DictConfig) -> PackInputs:
+    cfg, nodes_source = with_jobs_nodes(cfg)
     scenario = to_scenario(cfg, search=True)
     search = search_options(cfg)
     if search.max_virtual_pipeline_model_parallel_size is None:
@@ -72,7 +92,7 @@ def prepare(cfg: DictConfig) -> PackInputs:
     if pinned is not None:  # the fixed-depth baseline keeps the depth every job is pinned to
         options = dataclasses.replace(options, baseline_pipeline_sizes=(int(pinned),))
     return PackInputs(scenario=scenario, jobs=jobs, options=options, search=search, output=output_options(cfg),
-                      inputs=inputs)
+                      inputs=inputs, nodes_source=nodes_source)
 
 
 def _write_job_dirs(directory: str, job: PackInputs, jobs, options, cluster) -> list[str]:
@@ -81,9 +101,10 @@ def _write_job_dirs(directory: str, job: PackInputs, jobs, options, cluster) -> 
         sub = sub_cluster(cluster, option.group, option.nodes)
         path = os.path.join(directory, "jobs", spec.name)
         plan = write_plan(path, result=option.result, model=spec.model, cluster=sub,
-                   inputs={"job": spec.name, "pack": job.inputs.get("pack"), "cluster_nodes": option.nodes},
-                   bridge_keys=job.output.bridge_keys, extra={"seq_length_source": "the job list"},
-                   title=f"megapipe pack: {spec.name} ({spec.model.name}) on {option.nodes} x {sub.gpu.name} nodes")
+                          inputs={"job": spec.name, "pack": job.inputs.get("pack"), "cluster_nodes": option.nodes},
+                          bridge_keys=job.output.bridge_keys, extra={"seq_length_source": "the job list"},
+                          title=f"megapipe pack: {spec.name} ({spec.model.name}) on {option.nodes} {sub.gpu.name} "
+                                f"nodes ({sub.num_gpus} GPUs)")
         emitted = plan.emission.emitted
         for warning in emitted.warnings if emitted else plan.emission.what_if:
             warn(f"job {spec.name}: {warning}")
@@ -91,84 +112,157 @@ def _write_job_dirs(directory: str, job: PackInputs, jobs, options, cluster) -> 
     return written
 
 
+def _pictures(result, cluster, directory: str) -> list[str]:
+    from megapipe.report.cluster_map import cluster_map, job_colours, node_owners
+    from megapipe.report.pack_timeline import timeline_chart
+
+    packed = result.packed
+    colours = job_colours(sorted({job.name for job in (*result.jobs, *result.what_if_jobs)}))
+    place = lambda jobs, options: [(s.name, o.group, o.nodes) for s, o in zip(jobs, options)]  # noqa: E731
+    groups = [f"{g.gpu.name}" for g in cluster.node_groups]
+    panels = [(f"packed ({result.objective}): at the start", node_owners(result.capacities,
+                                                                          place(result.jobs, packed.options)))]
+    if result.what_if is not None:
+        panels.append((result.what_if.name + f" ({result.moves} moved)",
+                       node_owners(result.capacities, place(result.what_if_jobs, result.what_if.options),
+                                   failed=[a - b for a, b in zip(result.capacities, result.what_if_capacities)])))
+    written = [cluster_map(panels, groups, os.path.join(directory, "cluster.png"), colours=colours)]
+    timelines = [policy for policy in (packed, result.alternative) if policy is not None and policy.segments]
+    if timelines:
+        written.append(timeline_chart([(policy.name, policy.aim, policy.segments) for policy in timelines],
+                                      result.jobs, result.capacities, groups, os.path.join(directory, "timeline.png"),
+                                      colours=colours))
+    return written
+
+
 def run(job: PackInputs, *, directory: str) -> None:
     cluster = job.scenario.cluster
     result = pack_jobs(job.jobs, cluster, job.options, search=job.search)
-    packed = result.packed
     document = pack_document(result, cluster, inputs=job.inputs)
     atomic_write_text(os.path.join(directory, "pack.yaml"), dump_yaml(document))
     written = [os.path.join(directory, "pack.yaml")]
-    written += _write_job_dirs(directory, job, result.jobs, packed.options, cluster)
-    if job.output.pictures:
-        from megapipe.report.cluster_map import cluster_map, node_owners
-
-        place = lambda jobs, options: [(s.name, o.group, o.nodes) for s, o in zip(jobs, options)]  # noqa: E731
-        panels = [(f"packed ({result.objective})", node_owners(result.capacities, place(result.jobs, packed.options)))]
-        if result.what_if is not None:
-            panels.append((result.what_if.name + f" ({result.moves} moved)",
-                           node_owners(result.capacities, place(result.what_if_jobs, result.what_if.options),
-                                       failed=[a - b for a, b in zip(result.capacities, result.what_if_capacities)])))
-        written.append(cluster_map(panels, [f"{g.gpu.name}" for g in cluster.node_groups],
-                                   os.path.join(directory, "cluster.png")))
+    written += _write_job_dirs(directory, job, result.jobs, result.packed.options, cluster)
+    pictures = [os.path.join(directory, name) for name in ("cluster.png", "timeline.png")
+                if job.output.pictures and (name == "cluster.png" or result.packed.segments)]
     if job.output.json:
-        print_json({**document, "files": written})
-        return
-    _print(result, cluster, directory, max_virtual=job.search.max_virtual_pipeline_model_parallel_size)
+        print_json({**document, "files": written + pictures})
+    else:
+        _print(result, cluster, directory, nodes_source=job.nodes_source, pictures=pictures,
+               max_virtual=job.search.max_virtual_pipeline_model_parallel_size)
+    if job.output.pictures:  # after the answer: matplotlib takes a while
+        _pictures(result, cluster, directory)
 
 
-def _print(result, cluster, directory: str, *, max_virtual: int | None = None) -> None:
+def _title(result, cluster, nodes_source: str | None) -> str:
+    groups = ", ".join(f"{g.num_nodes} {g.gpu.name} nodes" for g in cluster.node_groups)
+    source = f"; {nodes_source}" if nodes_source else ""
+    return (f"megapipe pack: {len(result.jobs)} jobs on {groups} ({cluster.num_gpus} GPUs, {cluster.gpus_per_node} "
+            f"per node{source}), objective {result.objective}: {AIMS[result.objective]}")
+
+
+def _print(result, cluster, directory: str, *, nodes_source: str | None, pictures: list[str],
+           max_virtual: int | None = None) -> None:
+    out = console()
+    out.print(_jobs_table(result, cluster, nodes_source))
+    out.print(_policies_table(result))
+    for line in _deadline_notes(result):
+        out.print(line, markup=False)
+    if result.what_if is not None:
+        out.print(f"{result.what_if.name}: {result.moves} job(s) move ({', '.join(result.moved) or 'none'}); "
+                  f"weighted {result.what_if.weighted_flops_per_s / 1e15:,.1f} PFLOP/s, utilisation "
+                  f"{result.what_if.utilisation:.1%}", markup=False)
+        for spec, option in zip(result.what_if_jobs, result.what_if.options):
+            out.print(f"  {spec.name}: {option.nodes} {cluster.node_groups[option.group].gpu.name} nodes "
+                      f"({option.nodes * cluster.gpus_per_node} GPUs), {plan_summary(option.plan)}, "
+                      f"{option.tokens_per_s:,.0f} tok/s", markup=False)
+    if max_virtual is not None:
+        out.print(f"each job's searches try VP up to {max_virtual} (search.max_virtual_pipeline_model_parallel_size; "
+                  "`megapipe plan` of one job tries every VP Megatron allows)", markup=False)
+    names = ", ".join(os.path.basename(path) for path in pictures)
+    out.print(f"decided in {result.seconds:.1f} s ({result.searches} planner searches in all); files in {directory}: "
+              f"pack.yaml, {names + ', ' if names else ''}jobs/<name>/ (plan.yaml, megatron_args.txt, "
+              "launch_megatron.sh, launch_slurm.sbatch, bridge_overrides.txt, nemo2_overrides.txt, "
+              "nemo1_overrides.txt)", markup=False)
+
+
+def _jobs_table(result, cluster, nodes_source: str | None):
     from rich.table import Table
 
-    out = console()
-    packed = result.packed
-    table = Table(title=f"megapipe pack: {len(result.jobs)} jobs on {cluster.name} "
-                        f"({', '.join(f'{g.num_nodes} x {g.gpu.name}' for g in cluster.node_groups)} nodes), "
-                        f"objective {result.objective}", title_justify="left")
-    for column in ("job", "model", "GPU", "nodes", "TP/PP/DP/CP/VP EP", "mbs", "recompute", "schedule", "tok/s",
-                   "h alone", "finish h", "deadline"):
+    table = Table(title=_title(result, cluster, nodes_source), title_justify="left")
+    for column in ("job", "model", "GPU", "nodes", "GPUs", "TP/PP/DP/CP/VP EP", "mbs", "recompute", "schedule",
+                   "tok/s", "h alone", "finish h", "deadline h"):
         table.add_column(column, overflow="fold")
+    packed = result.packed
     finish = packed.finish_h or (None,) * len(result.jobs)
     for spec, option, end in zip(result.jobs, packed.options, finish):
         par, plan = option.plan.parallel, option.plan
         table.add_row(spec.name, spec.model.name, cluster.node_groups[option.group].gpu.name, str(option.nodes),
+                      str(option.nodes * cluster.gpus_per_node),
                       f"{par.tensor_model_parallel_size}/{par.pipeline_model_parallel_size}/{par.data_parallel_size}/"
                       f"{par.context_parallel_size}/{par.virtual_pipeline_model_parallel_size} "
                       f"EP{par.expert_model_parallel_size}",
                       str(plan.train.micro_batch_size), plan.train.recompute_granularity.value, str(plan.schedule),
                       f"{option.tokens_per_s:,.0f}" + format_share(throughput_interval(plan.step_time_interval)),
                       f"{option.hours(spec.tokens):.1f}" if spec.tokens > 0 else "-",
-                      f"{end:.1f}" if end is not None else "-",
-                      "-" if spec.deadline_hours is None else
-                      f"{spec.deadline_hours:g}" + (" met" if end is not None and end <= spec.deadline_hours else
-                                                   " missed" if end is not None else ""))
-    out.print(table)
-    policies = Table(title="against the baselines (finish h and average utilisation repack the cluster as jobs finish)",
-                     title_justify="left")
-    for column in ("policy", "weighted PFLOP/s at start", "utilisation at start", "average utilisation", "makespan h",
-                   "deadlines met", "packing's gain", "note"):
-        policies.add_column(column, overflow="fold")
-    for policy in (packed, *result.baselines):
-        share = utilisation_gain(packed, policy)
-        objective_gain = gain(packed, policy, result.objective)
-        gains = (f"{objective_gain:+.1f} weight" if result.objective == "deadlines" else f"{objective_gain:+.1%}")
-        if share is not None:
-            gains += f" ({share:+.1%} utilisation)"
-        policies.add_row(policy.name, f"{policy.weighted_flops_per_s / 1e15:,.1f}", f"{policy.utilisation:.1%}",
-                         "-" if policy.average_utilisation is None else f"{policy.average_utilisation:.1%}",
-                         "-" if not math.isfinite(policy.makespan_h) else f"{policy.makespan_h:.1f}",
-                         str(policy.deadlines_met), "" if policy is packed else gains, policy.note)
-    out.print(policies)
-    if result.what_if is not None:
-        out.print(f"{result.what_if.name}: {result.moves} job(s) move ({', '.join(result.moved) or 'none'}); "
-                  f"weighted {result.what_if.weighted_flops_per_s / 1e15:,.1f} PFLOP/s, utilisation "
-                  f"{result.what_if.utilisation:.1%}")
-        for spec, option in zip(result.what_if_jobs, result.what_if.options):
-            out.print(f"  {spec.name}: {option.nodes} x {cluster.node_groups[option.group].gpu.name}, "
-                      f"TP{option.plan.parallel.tensor_model_parallel_size} "
-                      f"PP{option.plan.parallel.pipeline_model_parallel_size}, {option.tokens_per_s:,.0f} tok/s")
-    if max_virtual is not None:
-        out.print(f"each job's searches try VP up to {max_virtual} (search.max_virtual_pipeline_model_parallel_size; "
-                  "`megapipe plan` of one job tries every VP Megatron allows)", markup=False)
-    out.print(f"decided in {result.seconds:.1f} s ({result.searches} planner searches in all); files in {directory}: "
-              "pack.yaml, cluster.png, jobs/<name>/ (plan.yaml, megatron_args.txt, launch_megatron.sh, launch_slurm.sbatch, "
-              "bridge_overrides.txt, nemo2_overrides.txt, nemo1_overrides.txt)")
+                      f"{end:.1f}" if end is not None else "-", _deadline_cell(spec, end))
+    return table
+
+
+def _deadline_cell(spec: JobSpec, end: float | None) -> str:
+    if spec.deadline_hours is None:
+        return "-"
+    verdict = "" if end is None else " met" if end <= spec.deadline_hours else " missed"
+    return f"{spec.deadline_hours:g}{verdict}"
+
+
+_GAIN_OF = {"throughput": "weighted FLOP/s over the run", "makespan": "finishing sooner",
+            "deadlines": "weight of deadlines met"}
+
+
+def _policies_table(result):
+    from rich.table import Table
+
+    table = Table(title="every policy, run until each job's token budget is done (the cluster repacked as jobs "
+                        "finish; a job that moves restarts)", title_justify="left")
+    for column in ("policy", "what it does and optimises", "weighted PFLOP/s at start", "over the run",
+                   "average utilisation", "makespan h", "deadlines met", f"packing's gain ({_GAIN_OF[result.objective]})",
+                   "note"):
+        table.add_column(column, overflow="fold")
+    packed = result.packed
+    for policy in policies(result):
+        run = policy.average_weighted_flops_per_s
+        table.add_row(policy.name, policy.aim, f"{policy.weighted_flops_per_s / 1e15:,.1f}",
+                      "-" if run is None else f"{run / 1e15:,.1f}",
+                      "-" if policy.average_utilisation is None else f"{policy.average_utilisation:.1%}",
+                      "-" if not math.isfinite(policy.makespan_h) else f"{policy.makespan_h:.1f}",
+                      f"{policy.deadlines_met} of {sum(job.deadline_hours is not None for job in result.jobs)}",
+                      "" if policy is packed else _gain_cell(packed, policy, result.objective), policy.note)
+    return table
+
+
+def _gain_cell(packed, policy, objective: str) -> str:
+    value = gain(packed, policy, objective)
+    if value is None:
+        return "n/a: it cannot place every job"
+    text = f"{value:+.1f} weight" if objective == "deadlines" else f"{value:+.1%}"
+    share = utilisation_gain(packed, policy)
+    return text + (f" ({share:+.1%} utilisation)" if share is not None else "")
+
+
+def _deadline_notes(result) -> list[str]:
+    """Why the packing meets fewer deadlines than another policy, when it does: its objective is not deadlines."""
+    packed = result.packed
+    best = max(policies(result), key=lambda policy: (policy.met_weight, policy is packed))
+    if result.objective == "deadlines" or best is packed:
+        return []
+    missed = [job.name for job, end in zip(result.jobs, packed.finish_h or ())
+              if job.deadline_hours is not None and end > job.deadline_hours]
+    lines = [f"packed meets {packed.deadlines_met} deadlines, {best.name} {best.deadlines_met}: the packing's objective "
+             f"is {result.objective} ({AIMS[result.objective]}), not deadlines"
+             + (f"; {', '.join(missed)} miss theirs" if missed else "")]
+    if result.alternative is not None:
+        alternative = result.alternative
+        lines.append(f"with pack.objective=deadlines the packing meets {alternative.deadlines_met} (makespan "
+                     f"{alternative.makespan_h:.1f} h, weighted {alternative.weighted_flops_per_s / 1e15:,.1f} PFLOP/s "
+                     "at start): the row packed for deadlines")
+    return lines

@@ -13,12 +13,12 @@ import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from megapipe.config.validate import MAX_SIZE, positive_int
+from megapipe.config.validate import MAX_GPUS, MAX_SIZE, positive_int
 from megapipe.errors import ConfigError
 from megapipe.records import ClusterSpec, JobSpec
 from megapipe.options import PackOptions
 
-__all__ = ["OBJECTIVES", "jobs_of", "pack_options"]
+__all__ = ["OBJECTIVES", "jobs_of", "pack_options", "with_jobs_nodes"]
 
 OBJECTIVES = ("throughput", "makespan", "deadlines")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -56,6 +56,34 @@ def _job_scenario(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
         except ConfigError as error:
             raise ConfigError(f"{where}: {error}") from None
     return cache[key]
+
+
+def _command_line_keys(cfg: DictConfig) -> list[str] | None:
+    """The keys the run's command line set (Hydra's record of it, ``hydra.overrides.task``); None without it."""
+    if "hydra" not in cfg:
+        return None
+    task = OmegaConf.select(cfg, "hydra.overrides.task")
+    return None if task is None else [str(item).lstrip("+~").split("=")[0] for item in task]
+
+
+def with_jobs_nodes(cfg: DictConfig) -> tuple[DictConfig, str | None]:
+    """The config with ``cluster.num_nodes`` set to the job list's ``num_nodes`` (the cluster it is written for),
+    and a line saying so; the config as it is, and None, when the list names no node count, the command line
+    sets the cluster (``cluster=``, ``cluster.*``) or replaces the jobs (``jobs.jobs=``), the cluster has node
+    groups, or the command line is not known (a config composed outside the CLI)."""
+    jobs = cfg.get("jobs")
+    nodes = jobs.get("num_nodes") if isinstance(jobs, DictConfig) else None
+    keys = _command_line_keys(cfg)
+    if nodes is None or keys is None or cfg.cluster.get("node_groups"):
+        return cfg, None
+    if any(key == "cluster" or key.startswith(("cluster.", "jobs.jobs")) for key in keys):
+        return cfg, None
+    nodes = positive_int("jobs.num_nodes", nodes, upper=MAX_GPUS)
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.cluster.num_nodes = nodes
+    return cfg, f"the node count {cfg.jobs.name or 'the job list'} is written for (jobs.num_nodes); " \
+                f"cluster.num_nodes=N packs on N"
 
 
 def jobs_of(cfg: DictConfig, cluster: ClusterSpec) -> tuple[JobSpec, ...]:
@@ -109,15 +137,18 @@ def pack_options(cfg: DictConfig, jobs: tuple[JobSpec, ...]) -> PackOptions:
     objective = str(options.get("objective", "throughput"))
     if objective not in OBJECTIVES:
         raise ConfigError(f"pack.objective={objective!r}; use one of {', '.join(OBJECTIVES)}")
+    arrive = bool(options.get("arrive", False))
+    packed = [job for job in jobs if arrive or not job.arrives_later]  # a job arriving later is packed in the what-if
     if objective in ("makespan", "deadlines"):
-        lacking = [job.name for job in jobs if job.tokens <= 0]
+        lacking = [job.name for job in packed if job.tokens <= 0]
         if lacking:
             raise ConfigError(f"pack.objective={objective} needs a token budget for every job; {lacking} have none "
                               "(set tokens: for them)")
     if objective == "deadlines":
-        lacking = [job.name for job in jobs if job.deadline_hours is None]
+        lacking = [job.name for job in packed if job.deadline_hours is None]
         if lacking:
-            raise ConfigError(f"pack.objective=deadlines needs deadline_hours for every job; {lacking} have none")
+            raise ConfigError(f"pack.objective=deadlines needs deadline_hours for every job packed; {lacking} have "
+                              "none (set deadline_hours: for them)")
     counts = options.get("node_counts")
     if counts is not None:
         counts = tuple(sorted({positive_int("pack.node_counts[]", count, upper=1 << 20) for count in counts}))
@@ -131,7 +162,6 @@ def pack_options(cfg: DictConfig, jobs: tuple[JobSpec, ...]) -> PackOptions:
     slack = _number("pack.move_slack", options.get("move_slack", 0.0), allow_zero=True)
     if slack >= 1:
         raise ConfigError(f"pack.move_slack={slack} must lie in [0, 1)")
-    arrive = bool(options.get("arrive", False))
     if arrive and not any(job.arrives_later for job in jobs):
         raise ConfigError("pack.arrive=true but no job has arrives_later: true; mark the arriving job")
     restart = _number("pack.restart_minutes", options.get("restart_minutes", 10.0), allow_zero=True)

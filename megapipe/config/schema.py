@@ -322,8 +322,15 @@ class JobsConfig:
     """A list of jobs (hydra_conf/jobs/)."""
 
     name: str = ""
+    """The job list's name (the hydra_conf/jobs option)."""
     description: str = ""
+    """What the jobs are, in a line."""
+    num_nodes: Optional[int] = None
+    """Nodes of the cluster the jobs are written for: megapipe pack packs on this many unless the command line sets
+    the cluster (cluster=, cluster.num_nodes=) or replaces the list (jobs.jobs=); null: the cluster's."""
     jobs: List[JobConfig] = field(default_factory=list)
+    """The jobs: name, model, global_batch_size, seq_length, precision, tokens, deadline_hours, weight, gpu,
+    max_micro_batch_size, arrives_later each."""
 
 
 PackConfig = record_schema("PackConfig", [(PackOptions, None)])

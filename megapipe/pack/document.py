@@ -1,4 +1,5 @@
-"""The ``megapipe-pack/1`` document (pack.yaml): the assignments, every policy's figures, the curves, the what-if.
+"""The ``megapipe-pack/1`` document (pack.yaml): the assignments, every policy's figures, every job's options, the
+what-if.
 
 Pure: records in, plain dicts out, the same inputs giving the same dict (beside the plan document,
 :mod:`megapipe.plan.document`, which each job's plan dir holds).
@@ -12,7 +13,7 @@ from megapipe.pack.pack import PackResult, gain
 from megapipe.plan.interval import throughput_interval
 from megapipe.records import ClusterSpec, JobSpec
 
-__all__ = ["FORMAT", "pack_document", "utilisation_gain"]
+__all__ = ["FORMAT", "pack_document", "plan_summary", "policies", "utilisation_gain"]
 
 FORMAT = "megapipe-pack/1"
 
@@ -47,29 +48,42 @@ def _rate_interval(option) -> dict:
     return {} if interval is None else {"tokens_per_s_interval": list(interval)}
 
 
-def _curves(result, cluster) -> list[dict]:
-    """Every job's curve: its best plan's throughput at each (GPU type, node count) the packing chose among."""
+def plan_summary(plan) -> str:
+    """A plan in one line: TP, PP, DP, CP, VP and EP, micro-batch, recompute and schedule."""
+    par = plan.parallel
+    return (f"TP{par.tensor_model_parallel_size} PP{par.pipeline_model_parallel_size} DP{par.data_parallel_size} "
+            f"CP{par.context_parallel_size} VP{par.virtual_pipeline_model_parallel_size} "
+            f"EP{par.expert_model_parallel_size}, mbs {plan.train.micro_batch_size}, recompute "
+            f"{plan.train.recompute_granularity.value}, {plan.schedule}")
+
+
+def _options(result, cluster) -> list[dict]:
+    """Every option the packing chose among: per job, node group and node count, the planner's best plan there and
+    its throughput; ``packed`` marks the one the packing took."""
     out = []
-    for spec, options in zip(result.jobs, result.curve_options):
-        points = [{"gpu": cluster.node_groups[option.group].gpu.name, "nodes": option.nodes,
-                   "tokens_per_s": _number(option.tokens_per_s), **_rate_interval(option),
-                   "step_time_s": _number(option.plan.step_time_s),
-                   **({"step_time_interval": list(option.plan.step_time_interval)}
-                      if option.plan.step_time_interval else {})}
-                  for option in options]
-        out.append({"job": spec.name, "points": points})
+    for spec, options, taken in zip(result.jobs, result.curve_options, result.packed.options):
+        for option in options:
+            entry = {"job": spec.name, "gpu": cluster.node_groups[option.group].gpu.name, "nodes": option.nodes,
+                     "tokens_per_s": _number(option.tokens_per_s), **_rate_interval(option),
+                     "model_tflops_per_s": _number(option.flops_per_s / 1e12), "plan": plan_summary(option.plan),
+                     "step_time_s": _number(option.plan.step_time_s)}
+            if taken is not None and (option.group, option.nodes) == (taken.group, taken.nodes):
+                entry["packed"] = True
+            out.append(entry)
     return out
 
 
 def _policy(policy, objective: str, packed) -> dict:
+    run = policy.average_weighted_flops_per_s
     return {
-        "name": policy.name, "note": policy.note,
+        "name": policy.name, "aim": policy.aim, "note": policy.note,
         "weighted_model_pflops_per_s": _number(policy.weighted_flops_per_s / 1e15),
+        "weighted_model_pflops_per_s_over_the_run": _number(run / 1e15) if run is not None else None,
         "utilisation_at_start": _number(policy.utilisation),
         "average_utilisation": _number(policy.average_utilisation) if policy.average_utilisation is not None else None,
         "makespan_h": _number(policy.makespan_h), "deadlines_met": policy.deadlines_met,
         "met_weight": _number(policy.met_weight), "repacks": policy.repacks, "restarts": policy.restarts,
-        "gain_of_packing": _number(gain(packed, policy, objective)),
+        "gain_of_packing": _number(gain(packed, policy, objective)) if policy is not packed else None,
         "utilisation_gain_of_packing": _number(utilisation_gain(packed, policy)),
     }
 
@@ -79,6 +93,18 @@ def utilisation_gain(packed, policy) -> float | None:
     if ours is None or theirs is None or theirs <= 0:
         return None
     return ours / theirs - 1
+
+
+def _timeline(result: PackResult, cluster) -> list[dict]:
+    """Where each job of the packing ran when, repacking as jobs finish (empty without token budgets)."""
+    return [{"job": result.jobs[segment.job].name, "gpu": cluster.node_groups[segment.group].gpu.name,
+             "nodes": segment.nodes, "start_h": _number(segment.start_h), "restart_h": _number(segment.restart_h),
+             "end_h": _number(segment.end_h)} for segment in result.packed.segments]
+
+
+def policies(result: PackResult) -> tuple:
+    """The packing, the packing for deadlines when there is one, then the baselines: the order tables list them."""
+    return (result.packed, *((result.alternative,) if result.alternative is not None else ()), *result.baselines)
 
 
 def pack_document(result: PackResult, cluster: ClusterSpec, *, inputs: dict) -> dict:
@@ -92,8 +118,9 @@ def pack_document(result: PackResult, cluster: ClusterSpec, *, inputs: dict) -> 
         "objective": result.objective,
         "assignments": [_assignment(spec, option, cluster, end)
                         for spec, option, end in zip(result.jobs, packed.options, finish)],
-        "policies": [_policy(policy, result.objective, packed) for policy in (packed, *result.baselines)],
-        "curves": _curves(result, cluster),
+        "policies": [_policy(policy, result.objective, packed) for policy in policies(result)],
+        "options": _options(result, cluster),
+        "timeline": _timeline(result, cluster),
         "decision": {"planner_searches": result.searches},
         "inputs": inputs,
     }

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.pack.curves import CURVE_OPTIONS, CurveCache, Option, job_groups, job_options
 from megapipe.pack.solve import solve_milp
+from megapipe.pack.timeline import Segment, run_timeline
 from megapipe.records import ClusterSpec, JobSpec
 from megapipe.options import PackOptions, SearchOptions
 
@@ -35,6 +36,8 @@ class Policy:
     """How a policy places the jobs, and what it achieves."""
 
     name: str
+    aim: str
+    """How the policy places the jobs and what it optimises, in a few words (the console's and pack.yaml's)."""
     options: tuple[Option | None, ...]
     """Per job its option; None where the policy cannot place the job."""
     weighted_flops_per_s: float
@@ -51,8 +54,13 @@ class Policy:
     """With repacking when a job finishes (every job has a token budget): each job's finish time."""
     average_utilisation: float | None = None
     """Model FLOPs done over the cluster's peak x the makespan, repacking as jobs finish."""
+    average_weighted_flops_per_s: float | None = None
+    """Weighted model FLOPs done over the makespan (every job has a token budget): the throughput objective
+    over the whole run, which every policy can be compared on (they all do the same work)."""
     repacks: int = 0
     restarts: int = 0
+    segments: tuple[Segment, ...] = ()
+    """Where each job ran when, repacking as jobs finish (the timeline picture)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +70,9 @@ class PackResult:
     objective: str
     packed: Policy
     baselines: tuple[Policy, ...]
+    alternative: Policy | None = None
+    """The packing for deadlines, when the objective is another, the packing misses a deadline, and every job has
+    a deadline and a budget."""
     what_if: Policy | None = None
     what_if_jobs: tuple[JobSpec, ...] = ()
     what_if_capacities: tuple[int, ...] = ()
@@ -78,7 +89,12 @@ def peak_flops(cluster: ClusterSpec) -> float:
                      for group in cluster.node_groups)
 
 
-def _concurrent(name: str, jobs: Sequence[JobSpec], picked: Sequence[Option | None], peak: float,
+AIMS = {"throughput": "the most weighted model FLOP/s", "makespan": "every token budget done soonest",
+        "deadlines": "the most deadline weight met, then FLOP/s"}
+"""What each objective optimises."""
+
+
+def _concurrent(name: str, aim: str, jobs: Sequence[JobSpec], picked: Sequence[Option | None], peak: float,
                 note: str = "") -> Policy:
     flops = math.fsum(job.weight * option.flops_per_s for job, option in zip(jobs, picked) if option is not None)
     raw = math.fsum(option.flops_per_s for option in picked if option is not None)
@@ -86,52 +102,21 @@ def _concurrent(name: str, jobs: Sequence[JobSpec], picked: Sequence[Option | No
              for job, option in zip(jobs, picked) if job.tokens > 0]
     met = [job for job, option in zip(jobs, picked) if option is not None and job.deadline_hours is not None
            and job.tokens > 0 and option.hours(job.tokens) <= job.deadline_hours]
-    return Policy(name=name, options=tuple(picked), weighted_flops_per_s=flops, utilisation=raw / peak,
+    return Policy(name=name, aim=aim, options=tuple(picked), weighted_flops_per_s=flops, utilisation=raw / peak,
                   makespan_h=max(hours, default=0.0), deadlines_met=len(met),
                   met_weight=math.fsum(job.weight for job in met), note=note)
-
-
-def _timeline(jobs: Sequence[JobSpec], decide, peak: float, restart_h: float):
-    """Run the policy to the end: place the unfinished jobs (``decide(active) -> options``), advance to the
-    next finish, repack. A job whose node group or count changes idles ``restart_h`` first.
-    Returns (finish hours per job, average utilisation, repacks, restarts)."""
-    remaining = [job.tokens for job in jobs]
-    finish = [math.inf] * len(jobs)
-    active = [j for j in range(len(jobs))]
-    where: dict[int, tuple[int, int]] = {}
-    clock = done = 0.0
-    repacks = restarts = 0
-    while active:
-        picked = decide(active)
-        idle = {}
-        for j, option in zip(active, picked):
-            spot = (option.group, option.nodes)
-            idle[j] = restart_h if j in where and where[j] != spot else 0.0
-            restarts += j in where and where[j] != spot
-            where[j] = spot
-        ends = {j: idle[j] + remaining[j] / option.tokens_per_s / 3600.0 for j, option in zip(active, picked)}
-        step = min(ends.values())
-        for j, option in zip(active, picked):
-            working = max(0.0, step - idle[j]) * 3600.0
-            remaining[j] = max(0.0, remaining[j] - option.tokens_per_s * working)
-            done += option.flops_per_s * working
-        clock += step
-        for j in [j for j in active if ends[j] <= step * (1 + 1e-12)]:
-            finish[j] = clock
-            remaining[j] = 0.0
-        active = [j for j in active if remaining[j] > 0 and finish[j] == math.inf]
-        repacks += 1
-    return tuple(finish), done / (peak * clock * 3600.0) if clock > 0 else 0.0, repacks - 1, restarts
 
 
 def _with_timeline(policy: Policy, jobs: Sequence[JobSpec], decide, peak: float, restart_h: float) -> Policy:
     if not jobs or not all(job.tokens > 0 for job in jobs) or any(option is None for option in policy.options):
         return policy
-    finish, average, repacks, restarts = _timeline(jobs, decide, peak, restart_h)
-    met = [job for job, end in zip(jobs, finish) if job.deadline_hours is not None and end <= job.deadline_hours]
-    return dataclasses.replace(policy, finish_h=finish, average_utilisation=average, makespan_h=max(finish),
-                               deadlines_met=len(met), met_weight=math.fsum(job.weight for job in met),
-                               repacks=repacks, restarts=restarts)
+    run = run_timeline(jobs, decide, peak=peak, restart_h=restart_h)
+    met = [job for job, end in zip(jobs, run.finish_h) if job.deadline_hours is not None and end <= job.deadline_hours]
+    return dataclasses.replace(policy, finish_h=run.finish_h, average_utilisation=run.average_utilisation,
+                               average_weighted_flops_per_s=run.average_weighted_flops_per_s,
+                               makespan_h=max(run.finish_h), deadlines_met=len(met),
+                               met_weight=math.fsum(job.weight for job in met), repacks=run.repacks,
+                               restarts=run.restarts, segments=run.segments)
 
 
 def _sequential(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], peak: float) -> Policy:
@@ -139,9 +124,11 @@ def _sequential(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], pe
     best = [max(opts, key=lambda option: option.tokens_per_s) for opts in options]
     hours = [option.hours(job.tokens) if job.tokens > 0 else 1.0 for job, option in zip(jobs, best)]
     order = sorted(range(len(jobs)), key=lambda j: (jobs[j].deadline_hours or math.inf, j))
-    clock, met = 0.0, []
+    clock, met, segments = 0.0, [], []
     finish = [0.0] * len(jobs)
     for j in order:
+        segments.append(Segment(job=j, group=best[j].group, nodes=best[j].nodes, start_h=clock, restart_h=0.0,
+                                end_h=clock + hours[j]))
         clock += hours[j]
         finish[j] = clock
         if jobs[j].deadline_hours is not None and clock <= jobs[j].deadline_hours:
@@ -149,12 +136,14 @@ def _sequential(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], pe
     total = math.fsum(hours)
     flops = math.fsum(job.weight * option.flops_per_s * h for job, option, h in zip(jobs, best, hours)) / total
     raw = math.fsum(option.flops_per_s * h for option, h in zip(best, hours)) / total
-    note = "" if all(job.tokens > 0 for job in jobs) else "jobs without a token budget get one hour each"
-    return Policy(name="one after another", options=tuple(best), weighted_flops_per_s=flops, utilisation=raw / peak,
-                  makespan_h=total if all(job.tokens > 0 for job in jobs) else math.inf, deadlines_met=len(met),
+    budgets = all(job.tokens > 0 for job in jobs)
+    note = "" if budgets else "jobs without a token budget get one hour each"
+    return Policy(name="one after another", aim="each job alone at its fastest, earliest deadline first",
+                  options=tuple(best), weighted_flops_per_s=flops, utilisation=raw / peak,
+                  makespan_h=total if budgets else math.inf, deadlines_met=len(met),
                   met_weight=math.fsum(job.weight for job in met), note=note, order=tuple(order),
-                  finish_h=tuple(finish) if all(job.tokens > 0 for job in jobs) else (),
-                  average_utilisation=raw / peak if all(job.tokens > 0 for job in jobs) else None)
+                  finish_h=tuple(finish) if budgets else (), average_utilisation=raw / peak if budgets else None,
+                  average_weighted_flops_per_s=flops if budgets else None, segments=tuple(segments) if budgets else ())
 
 
 def _even_options(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], cluster: ClusterSpec,
@@ -180,9 +169,10 @@ def _even_options(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], 
 def _even_split(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], cluster: ClusterSpec,
                 capacities: Sequence[int], peak: float, restart_h: float) -> Policy:
     picked, share = _even_options(jobs, options, cluster, capacities)
-    missing = sum(1 for option in picked if option is None)
-    note = f"{missing} job(s) do not fit in an even share of {share} nodes" if missing else f"{share} nodes per job"
-    policy = _concurrent("even split", jobs, picked, peak, note)
+    missing = [job.name for job, option in zip(jobs, picked) if option is None]
+    note = (f"{', '.join(missing)} fit{'s' if len(missing) == 1 else ''} in no even share of {share} nodes, so this "
+            "policy cannot run them" if missing else f"{share} nodes per job")
+    policy = _concurrent("even split", "all at once, an equal share of nodes each", jobs, picked, peak, note)
 
     def decide(active):
         chosen, _ = _even_options([jobs[j] for j in active], [options[j] for j in active], cluster, capacities)
@@ -204,6 +194,17 @@ def _packing_decider(jobs, curves, capacities, objective):
     return decide
 
 
+def _for_deadlines(jobs: Sequence[JobSpec], curves, capacities, peak: float, restart_h: float) -> Policy | None:
+    """The packing for the deadlines objective (the most weight of jobs meeting theirs, then the most FLOP/s),
+    run to the end, when every job has a deadline and a token budget."""
+    if not all(job.deadline_hours is not None and job.tokens > 0 for job in jobs):
+        return None
+    packing = solve_milp(jobs, curves, capacities, objective="deadlines")
+    policy = _concurrent("packed for deadlines", f"all at once, for {AIMS['deadlines']}", jobs,
+                         [c[o] for c, o in zip(curves, packing.choice)], peak, "pack.objective=deadlines")
+    return _with_timeline(policy, jobs, _packing_decider(jobs, curves, capacities, "deadlines"), peak, restart_h)
+
+
 def _fixed_depth(jobs, cache, options: PackOptions, capacities, peak) -> Policy | None:
     best: Policy | None = None
     tried = []
@@ -219,7 +220,8 @@ def _fixed_depth(jobs, cache, options: PackOptions, capacities, peak) -> Policy 
         except InfeasibleError:
             tried.append(f"PP{size}: no packing fits")
             continue
-        policy = _concurrent(f"fixed PP{size}", jobs, [c[o] for c, o in zip(curves, packing.choice)], peak)
+        policy = _concurrent(f"fixed PP{size}", f"as packed, every job at PP {size}", jobs,
+                             [c[o] for c, o in zip(curves, packing.choice)], peak)
         policy = _with_timeline(policy, jobs, _packing_decider(jobs, curves, capacities, options.objective), peak,
                                 restart_h)
         if best is None or _better(policy, best, options.objective):
@@ -238,13 +240,23 @@ def _better(a: Policy, b: Policy, objective: str) -> bool:
     return a.weighted_flops_per_s > b.weighted_flops_per_s
 
 
-def gain(packed: Policy, baseline: Policy, objective: str) -> float:
-    """The packing's gain over a baseline in the objective's terms (makespan: how much sooner, as a rate)."""
+def gain(packed: Policy, baseline: Policy, objective: str) -> float | None:
+    """The packing's gain over a baseline in the objective's terms (makespan: how much sooner, as a rate); None
+    when the baseline cannot place every job (no gain over a policy that cannot run).
+
+    Throughput compares the weighted FLOP/s over the whole run when both policies run every token budget to
+    the end (the one-after-another policy has no other figure: at its start one job holds the cluster), else
+    at the start."""
+    if any(option is None for option in baseline.options):
+        return None
     if objective == "makespan":
         return baseline.makespan_h / packed.makespan_h - 1 if packed.makespan_h > 0 else 0.0
     if objective == "deadlines":
         return packed.met_weight - baseline.met_weight
-    return packed.weighted_flops_per_s / baseline.weighted_flops_per_s - 1 if baseline.weighted_flops_per_s else math.inf
+    ours, theirs = packed.weighted_flops_per_s, baseline.weighted_flops_per_s
+    if packed.average_weighted_flops_per_s is not None and baseline.average_weighted_flops_per_s is not None:
+        ours, theirs = packed.average_weighted_flops_per_s, baseline.average_weighted_flops_per_s
+    return ours / theirs - 1 if theirs else math.inf
 
 
 def _capacities_after_failure(cluster: ClusterSpec, options: PackOptions) -> tuple[int, ...]:
@@ -276,11 +288,15 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
     curves = [job_options(job, cache, node_counts=options.node_counts) for job in present]
     packing = solve_milp(present, curves, capacities, objective=options.objective)
     peak = peak_flops(cluster)
-    packed = _concurrent("packed", present, [c[o] for c, o in zip(curves, packing.choice)], peak)
+    packed = _concurrent("packed", f"all at once, for {AIMS[options.objective]}", present,
+                         [c[o] for c, o in zip(curves, packing.choice)], peak)
     seconds = time.perf_counter() - started
     restart_h = options.restart_minutes / 60.0
     packed = _with_timeline(packed, present, _packing_decider(present, curves, capacities, options.objective), peak,
                             restart_h)
+    missed = packed.deadlines_met < sum(job.deadline_hours is not None for job in present)
+    alternative = _for_deadlines(present, curves, capacities, peak, restart_h) if (
+        baselines and missed and options.objective != "deadlines") else None
     found: list[Policy] = []
     if baselines:
         fixed = _fixed_depth(present, cache, options, capacities, peak)
@@ -309,11 +325,12 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
             events.append(f"{options.fail_nodes} nodes fail")
         if options.arrive:
             events.append(", ".join(job.name for job in jobs if job.arrives_later) + " arrive")
-        what_if = _concurrent("what-if: " + "; ".join(events), what_if_jobs, picked, peak)
+        what_if = _concurrent("what-if: " + "; ".join(events), f"repacked for {AIMS[options.objective]}, fewest moves",
+                              what_if_jobs, picked, peak)
         moves = repack.moves
         moved = tuple(job.name for job, option, prev in zip(what_if_jobs, picked, previous)
                       if prev is not None and (option.group, option.nodes) != prev)
     return PackResult(jobs=present, capacities=capacities, objective=options.objective, packed=packed,
-                      baselines=tuple(found), what_if=what_if, what_if_jobs=what_if_jobs, what_if_capacities=after,
+                      alternative=alternative, baselines=tuple(found), what_if=what_if, what_if_jobs=what_if_jobs, what_if_capacities=after,
                       moves=moves, moved=moved, searches=cache.searches, seconds=seconds,
                       curve_options=tuple(curves))
