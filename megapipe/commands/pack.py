@@ -222,9 +222,11 @@ _GAIN_OF = {"throughput": "weighted FLOP/s over the run", "makespan": "finishing
 def _policies_table(result):
     from rich.table import Table
 
-    table = Table(title="every policy, run until each job's token budget is done (the cluster repacked as jobs "
-                        "finish; a job that moves restarts)", title_justify="left")
-    for column in ("policy", "what it does and optimises", "weighted PFLOP/s at start", "over the run",
+    title = ("every policy, run until each job's token budget is done (the cluster repacked as jobs finish; a job "
+             "that moves restarts)" if result.packed.segments else
+             "every policy, scored at the start (not every job has a token budget to run to the end)")
+    table = Table(title=title, title_justify="left")
+    for column in ("policy", "what it optimises", "weighted PFLOP/s at start", "over the run",
                    "average utilisation", "makespan h", "deadlines met", f"packing's gain ({_GAIN_OF[result.objective]})",
                    "note"):
         table.add_column(column, overflow="fold")
