@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
 
 import pytest
 import yaml
@@ -184,8 +185,12 @@ def test_pack_writes_assignments_baselines_and_a_plan_dir_per_job(packed):
         plan = yaml.safe_load((packed / "jobs" / assignment["job"] / "plan.yaml").read_text())
         assert plan["best"]["parallel"]["data_parallel_size"] * assignment["tensor_model_parallel_size"] * \
             assignment["pipeline_model_parallel_size"] == assignment["gpus"]
-        for name in ("bridge_overrides.txt", "nemo2_overrides.txt", "nemo1_overrides.txt", "launch_megatron.sh"):
+        for name in ("bridge_overrides.txt", "nemo2_overrides.txt", "nemo1_overrides.txt", "launch_megatron.sh",
+                     "launch_slurm.sbatch"):
             assert (packed / "jobs" / assignment["job"] / name).stat().st_size > 0
+        sbatch = packed / "jobs" / assignment["job"] / "launch_slurm.sbatch"
+        subprocess.run(["bash", "-n", str(sbatch)], check=True)
+        assert f"#SBATCH --nodes={assignment['nodes']}\n" in sbatch.read_text()
     assert (packed / "cluster.png").read_bytes()[:4] == b"\x89PNG"
     what_if = doc["what_if"]
     assert {a["job"] for a in what_if["assignments"]} == {"big", "small", "later"}
