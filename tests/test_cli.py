@@ -25,7 +25,9 @@ def megapipe(*args, cwd):
         (["partition", "train.recompute_granularity=sometimes"], "expected one of"),
         (["partition", "parallel.pipeline_model_parallel_size=2"], "over by"),
         (["partition", "cluster.gpu.memory_gib=0"], "memory_gib=0"),
-        (["partition", "parallel.tensor_model_parallel_size=3"], "not divisible"),
+        (["partition", "parallel.tensor_model_parallel_size=3"], "does not divide the cluster's 128 GPUs"),
+        (["plan", "parallel.tensor_model_parallel_size=3"],
+         "parallel.tensor_model_parallel_size=3 does not divide the cluster's 128 GPUs"),
         (["frobnicate"], "unknown command"),
     ],
 )

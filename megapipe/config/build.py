@@ -531,6 +531,22 @@ def _dimension_values(cfg: DictConfig, cluster: ClusterSpec, *, search: bool,
     return given, {**_SEARCH_PLACEHOLDER, **given}
 
 
+def _indivisible(cfg: DictConfig, cluster: ClusterSpec, sizes: Mapping[str, int], *, search: bool) -> str:
+    """Why TP x PP x CP cannot split the cluster, naming the sizes the user gave and those derived from them (a
+    searched size is not named)."""
+    short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP", "context_parallel_size": "CP"}
+    given = {key: (f"parallel.{key}={size}" if cfg.parallel.get(key) is not None else f"{short[key]}={size} (derived)")
+             for key, size in sizes.items() if cfg.parallel.get(key) is not None or (not search and size > 1)}
+    named = " x ".join(given.values())
+    product = 1
+    for size in sizes.values():
+        product *= size
+    divisors = [size for size in range(1, cluster.num_gpus + 1) if cluster.num_gpus % size == 0]
+    shown = ", ".join(str(size) for size in divisors[:8]) + (", ..." if len(divisors) > 8 else "")
+    return (f"{named}{f' = {product}' if len(given) > 1 else ''} does not divide the cluster's {cluster.num_gpus} "
+            f"GPUs (TP x PP x CP must); use sizes whose product is one of {shown}, or change cluster.num_nodes")
+
+
 def _parallel_spec(cfg: DictConfig, model: ModelSpec, cluster: ClusterSpec, values: Mapping, *,
                    search: bool) -> tuple[ParallelSpec, dict]:
     """The ParallelSpec of the dimension values, checked against the cluster's GPU count, and the runtime features
@@ -544,10 +560,8 @@ def _parallel_spec(cfg: DictConfig, model: ModelSpec, cluster: ClusterSpec, valu
     if group is not None:
         positive_int("parallel.microbatch_group_size_per_vp_stage", group)
     if cluster.num_gpus % (tp * pp * cp):
-        raise ConfigError(
-            f"{cluster.num_gpus} GPUs are not divisible by TP*PP*CP={tp}*{pp}*{cp}; "
-            "change the parallel sizes or cluster.num_nodes"
-        )
+        raise ConfigError(_indivisible(cfg, cluster, {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                                      "context_parallel_size": cp}, search=search))
     dp = cluster.num_gpus // (tp * pp * cp)
     ep, etp = _expert_sizes(model, values, tp=tp, stage=tp * cp * dp, cluster=cluster, search=search)
     features, pinned = _features(cfg, model, search=search)
