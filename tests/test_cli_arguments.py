@@ -24,6 +24,9 @@ from megapipe.cli import main
     (["plan", "model.tensor_model_parallel_size=2"], "did you mean parallel.tensor_model_parallel_size?"),
     (["plan", "cluster.gpu.memory_gb=80"], "did you mean cluster.gpu.memory_gib?"),
     (["partition", "frobnicate=1"], "frobnicate is not a megapipe setting"),
+    (["plan", "parallel.data_parallel_size=4"], "parallel.data_parallel_size=4: DP is not set but derived"),
+    (["plan", "data_parallel_size=4"], "data_parallel_size=4: DP is not set but derived"),
+    (["plan", "cluster.num_gpus=64"], "cluster.num_nodes x cluster.gpus_per_node"),
 ])
 def test_what_a_command_does_not_take_is_refused(argv, expected, capsys, tmp_path):
     assert main([*argv, f"output.dir={tmp_path}"]) == 2

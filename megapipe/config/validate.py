@@ -97,6 +97,15 @@ def _group_of(key: str) -> list[str]:
     return sorted(group for group, schema_class in _GROUPS.items() if key in _names(schema_class))
 
 
+_DERIVED = {
+    "data_parallel_size": "DP is not set but derived, as Megatron does: the GPUs / (TP x PP x CP); set "
+                          "cluster.num_nodes or parallel.tensor_model_parallel_size, pipeline_model_parallel_size, "
+                          "context_parallel_size",
+    "num_gpus": "the GPU count is cluster.num_nodes x cluster.gpus_per_node; set those",
+}
+"""Keys a user may try that megapipe derives instead, with what to set."""
+
+
 def check_override_keys(overrides) -> None:
     """Refuse a ``key=value`` override whose key no schema has, with the key it likely means, before Hydra's
     "use +key" advice: a typo (``train.seq_lenght``) or a key without its group (``tensor_model_parallel_size``)."""
@@ -107,6 +116,8 @@ def check_override_keys(overrides) -> None:
         if not key or "@" in key or key.startswith(_OPEN):
             continue
         parts = [part.split("[")[0] for part in key.split(".")]
+        if parts[-1] in _DERIVED and len(parts) <= 2:
+            raise ConfigError(f"{key}={value}: {_DERIVED[parts[-1]]}")
         if len(parts) == 1:
             if key in top:
                 continue
