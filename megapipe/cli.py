@@ -58,6 +58,8 @@ def _fail(command: str, message: str) -> int:
 
 _TAKES_PATHS = {"report": "DIR", "replan": "RUN_DIR", "calibrate": "RUN_DIR or PROFILE", "validate": "RUNS.yaml"}
 """Commands that take positional paths, and what they are."""
+_TAKES_SEVERAL = ("calibrate",)
+"""Commands that take several paths at once."""
 _OWN_FLAGS = ("-m", "--multirun", "-h", "--help")
 
 
@@ -117,6 +119,9 @@ def _split_args(command: str, rest: Sequence[str]) -> tuple[list[str], list[str]
         else:
             raise _BadArguments(f"{command} takes no positional argument {arg!r}; settings are key=value "
                                 f"(e.g. model=llama3_70b), see megapipe {command} --help")
+    if len(paths) > 1 and command not in _TAKES_SEVERAL:
+        raise _BadArguments(f"{command} takes one {_TAKES_PATHS[command]}, not {len(paths)} ("
+                            f"{', '.join(repr(path) for path in paths)}); run it once per {_TAKES_PATHS[command]}")
     if paths:
         overrides.append("input=" + ",".join(paths) if len(paths) == 1 else f"input='{os.pathsep.join(paths)}'")
     return overrides, flags, multirun

@@ -24,6 +24,7 @@ from megapipe.cli import main
     (["plan", "model.tensor_model_parallel_size=2"], "did you mean parallel.tensor_model_parallel_size?"),
     (["plan", "cluster.gpu.memory_gb=80"], "did you mean cluster.gpu.memory_gib?"),
     (["partition", "frobnicate=1"], "frobnicate is not a megapipe setting"),
+    (["report", "a", "b"], "report takes one DIR, not 2 ('a', 'b')"),
     (["plan", "parallel.data_parallel_size=4"], "parallel.data_parallel_size=4: DP is not set but derived"),
     (["plan", "data_parallel_size=4"], "data_parallel_size=4: DP is not set but derived"),
     (["plan", "cluster.num_gpus=64"], "cluster.num_nodes x cluster.gpus_per_node"),
