@@ -73,3 +73,19 @@ def test_read_plan_names_the_problem(tmp_path):
         plandir.read_plan(tmp_path)
     (tmp_path / "plan.yaml").write_text("format: megapipe-plan/1\nbest: {}\n")
     assert plandir.read_plan(tmp_path / "plan.yaml")["best"] == {}
+
+
+def test_the_readmes_python_example_runs(tmp_path, capsys):
+    """README's Python API block, on a profile.yaml a plan dir holds (it imported megapipe.io, which is gone)."""
+    import pathlib
+    import re
+
+    from megapipe.cli import main
+
+    assert main(["plan", "model=tiny_gpt", "cluster=cpu_gloo", "train.global_batch_size=8", "output.pictures=false",
+                 "output.format=json", f"output.dir={tmp_path}"]) == 0
+    capsys.readouterr()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"Python API:\n\n```python\n(.*?)```", readme, re.S).group(1)
+    block = block.replace('"profile.yaml"', repr(str(tmp_path / "profile.yaml"))).replace("* 8,", "* 2,")
+    exec(compile(block, "README.md", "exec"), {})
