@@ -18,6 +18,7 @@ __all__ = [
     "CUDA_GRAPH_SCOPES",
     "MOE_GRAPH_SCOPES",
     "RECOMPUTE_MODULES",
+    "OFFLOAD_MODULES",
     "feature_problem",
     "device_max_connections",
     "SEARCHED",
@@ -35,6 +36,8 @@ CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "full
 MOE_GRAPH_SCOPES = ("moe", "moe_router", "moe_preprocess")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 """megatron-core's allowed ``recompute_modules`` (TransformerConfig.__post_init__)."""
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+"""megatron-core's allowed ``offload_modules`` (TransformerConfig.__post_init__, core_v0.16.1)."""
 
 
 def _moe_problem(features: RuntimeFeatures, model: ModelSpec, parallel: ParallelSpec | None) -> str | None:
@@ -104,6 +107,26 @@ def _value_problem(features: RuntimeFeatures) -> str | None:
     bad = [module for module in features.recompute_modules if module not in RECOMPUTE_MODULES]
     if bad:
         return f"recompute_modules holds {bad}; use values of {', '.join(RECOMPUTE_MODULES)}"
+    bad = [module for module in features.offload_modules if module not in OFFLOAD_MODULES]
+    if bad:
+        return f"offload_modules holds {bad}; use values of {', '.join(OFFLOAD_MODULES)}"
+    return None
+
+
+def _offload_problem(features: RuntimeFeatures, model: ModelSpec) -> str | None:
+    """Why megatron-core's fine-grained activation offloading cannot run as set (TransformerConfig.__post_init__,
+    and its CUDA-graph rules in docs/user-guide/features/fine_grained_activation_offloading.md)."""
+    modules = set(features.offload_modules)
+    if features.fine_grained_activation_offloading != bool(modules):
+        return ("fine_grained_activation_offloading and offload_modules go together: set both (offload_modules "
+                "names what leaves the GPU) or neither")
+    if "attn_proj" in modules and "core_attn" not in modules:
+        return "offload_modules attn_proj needs core_attn too (its input is the attention output core_attn keeps)"
+    moe_parts = sorted(modules & {"expert_fc1", "moe_act"})
+    if moe_parts and not model.is_moe:
+        return f"offload_modules {moe_parts} name MoE parts, but the model has no experts"
+    if modules & {"attn_norm", "mlp_norm"} and features.cuda_graphs:
+        return "offload_modules attn_norm and mlp_norm cannot run with CUDA graphs (they cross the graphs' boundaries)"
     return None
 
 
@@ -188,7 +211,7 @@ def feature_problem(features: RuntimeFeatures, *, model: ModelSpec, parallel: Pa
     # Checked lazily in this order: it decides which message a combination with several problems gets.
     return (_value_problem(features) or _overlap_problem(features, train) or _moe_problem(features, model, parallel)
             or _graph_problem(features, model, train) or _recompute_problem(features, model, train)
-            or _padding_and_bias_problem(features, model, train) or None)
+            or _padding_and_bias_problem(features, model, train) or _offload_problem(features, model) or None)
 
 
 def device_max_connections(features: RuntimeFeatures) -> int | None:

@@ -44,10 +44,16 @@ def format_layout(stage_kinds: Sequence[Sequence[LayerKind]]) -> str:
 _TOKEN = re.compile(r"([EtmL])(?:\*(\d+))?")
 
 
+_GROUP = re.compile(r"\(([^)]+)\)\*(\d+)")
+"""A parenthesised group repeated N times, as megatron-core unrolls it first (``PipelineParallelLayerLayout.
+parse_str_to_list``: ``(tt|)*2`` -> ``tt|tt|``)."""
+
+
 def parse_layout(layout: str) -> tuple[tuple[LayerKind, ...], ...]:
-    """Inverse of :func:`format_layout` for the flat form megapipe writes (no parentheses)."""
+    """Inverse of :func:`format_layout`; also reads megatron-core's repeated groups (``Et|(tt|)*30L``)."""
     stages = []
-    for text in layout.replace(",", "").split("|"):
+    flat = _GROUP.sub(lambda match: match.group(1) * int(match.group(2)), layout.replace(",", ""))
+    for text in flat.split("|"):
         kinds: list[LayerKind] = []
         pos = 0
         for match in _TOKEN.finditer(text):

@@ -23,6 +23,8 @@ __all__ = [
     "ModelSpec",
     "MOE_MODEL_FIELDS",
     "MLA_MODEL_FIELDS",
+    "PARALLEL_MEMORY_FIELDS",
+    "TRAIN_MEMORY_FIELDS",
     "GpuSpec",
     "LinkSpec",
     "NodeGroup",
@@ -241,6 +243,11 @@ MOE_MODEL_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
                     "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
                     "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
 """ModelSpec's mixture-of-experts fields."""
+PARALLEL_MEMORY_FIELDS = ("use_megatron_fsdp", "data_parallel_sharding_strategy")
+"""ParallelSpec's memory settings (Megatron FSDP): off unless a config or a run states them."""
+TRAIN_MEMORY_FIELDS = ("use_precision_aware_optimizer", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
+                       "offload_optimizer_states", "optimizer_cpu_offload", "optimizer_offload_fraction")
+"""TrainSpec's optimizer-memory settings (precision-aware optimizer, optimizer offloading): off by default."""
 MLA_MODEL_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                     "v_head_dim")
 """ModelSpec's multi-latent-attention fields."""
@@ -446,10 +453,17 @@ class RuntimeFeatures:
     """Route tokens evenly regardless of the router (benchmarking): the busiest rank gets the mean load."""
     moe_router_padding_for_quantization: bool = False
     """Pad each expert's tokens in the routing map, instead of padding the permuted tokens, under FP8/FP4."""
+    fine_grained_activation_offloading: bool = False
+    """Copy the inputs of the offload_modules to host memory in the forward and back before their backward
+    (megatron-core's fine-grained activation offloading)."""
+    offload_modules: tuple[str, ...] = ()
+    """With fine_grained_activation_offloading: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1,
+    moe_act (the modules whose saved inputs leave the GPU)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cuda_graph_scope", tuple(str(v) for v in self.cuda_graph_scope))
         object.__setattr__(self, "recompute_modules", tuple(str(v) for v in self.recompute_modules))
+        object.__setattr__(self, "offload_modules", tuple(str(v) for v in self.offload_modules))
 
     @property
     def dispatcher(self) -> str:
@@ -496,6 +510,13 @@ class ParallelSpec:
     """The data-parallel gradient reduce runs under the backward (Megatron --overlap-grad-reduce)."""
     overlap_param_gather: bool = True
     """With the distributed optimizer: the parameter all-gather runs under the next forward."""
+    use_megatron_fsdp: bool = False
+    """Megatron FSDP (Megatron --use-megatron-fsdp) instead of DDP with the distributed optimizer: what it shards
+    over the data-parallel group is data_parallel_sharding_strategy."""
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+    """With use_megatron_fsdp: optim (optimizer state, ZeRO-1), optim_grads (and gradients, ZeRO-2) or
+    optim_grads_params (and parameters, ZeRO-3), Megatron --data-parallel-sharding-strategy; no_shard shards
+    nothing."""
 
     @property
     def world_size(self) -> int:
@@ -542,6 +563,26 @@ class TrainSpec:
     """Main gradients accumulated and reduced in fp32 (Megatron's default); false keeps them in the
     parameters' bf16, 2 bytes less per parameter (``--grad-reduce-in-bf16``; Megatron-Bridge's performance
     recipes set ``ddp.grad_reduce_in_fp32=False``)."""
+    use_precision_aware_optimizer: bool = False
+    """Transformer Engine's FusedAdam holds the master weights and Adam moments in main_params_dtype, exp_avg_dtype
+    and exp_avg_sq_dtype (Megatron --use-precision-aware-optimizer)."""
+    main_params_dtype: str = "fp32"
+    """fp32 or fp16 master weights (Megatron --main-params-dtype; with the precision-aware optimizer); bf16 as NeMo 1's
+    distributed_fused_adam keeps them (its optim.dtype)."""
+    exp_avg_dtype: str = "fp32"
+    """fp32, fp16, bf16 or fp8 first Adam moment (Megatron --exp-avg-dtype; with the precision-aware optimizer)."""
+    exp_avg_sq_dtype: str = "fp32"
+    """fp32, fp16, bf16 or fp8 second Adam moment (Megatron --exp-avg-sq-dtype; with the precision-aware
+    optimizer)."""
+    offload_optimizer_states: bool = False
+    """The distributed optimizer's master weights and moments go to host memory after each step and come back for
+    the next (Megatron --offload-optimizer-states): off the GPU during forward and backward."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's hybrid CPU-GPU optimizer (--optimizer-cpu-offload): optimizer_offload_fraction of the master
+    weights and moments live and update on the host."""
+    optimizer_offload_fraction: float = bounded("fraction", 1.0)
+    """With optimizer_cpu_offload: the share of the optimizer state on the host (Megatron
+    --optimizer-offload-fraction)."""
     moe_load_imbalance: float | None = None
     """The routing assumption: the busiest expert-parallel rank receives this many times the mean tokens
     (1.0 = balanced). None means dropless aux-loss routing's typical imbalance, the runtime's

@@ -160,3 +160,21 @@ def test_runtime_group_is_validated_and_reaches_the_cluster():
         to_scenario(compose(["cluster=gb200_nvl72", "cluster.scale_up_gpus=6"]))
     gb200 = to_scenario(compose(["cluster=gb200_nvl72"])).cluster
     assert gb200.domain_gpus == 72 and gb200.gpus_per_node == 4
+
+
+def test_memory_settings_reach_the_records_and_megatrons_refusals_are_named():
+    scenario = to_scenario(compose(["parallel.use_megatron_fsdp=true",
+                                    "parallel.data_parallel_sharding_strategy=optim_grads",
+                                    "train.use_precision_aware_optimizer=true", "train.exp_avg_dtype=bf16",
+                                    "train.optimizer_cpu_offload=true", "train.optimizer_offload_fraction=0.5"]))
+    assert scenario.parallel.use_megatron_fsdp and scenario.parallel.data_parallel_sharding_strategy == "optim_grads"
+    train = scenario.train
+    assert (train.use_precision_aware_optimizer, train.exp_avg_dtype, train.exp_avg_sq_dtype) == (True, "bf16", "fp32")
+    assert train.optimizer_offload_fraction == 0.5
+    with pytest.raises(ConfigError, match="use_precision_aware_optimizer"):
+        to_scenario(compose(["train.exp_avg_dtype=bf16"]))
+    with pytest.raises(ConfigError, match="optimizer_offload_fraction"):
+        to_scenario(compose(["train.use_precision_aware_optimizer=true", "train.optimizer_cpu_offload=true",
+                             "train.optimizer_offload_fraction=1.5"]))
+    with pytest.raises(ConfigError, match="use_distributed_optimizer"):
+        to_scenario(compose(["parallel.use_megatron_fsdp=true", "parallel.use_distributed_optimizer=false"]))

@@ -237,6 +237,53 @@ def test_fp8_and_tp_overlap_for_every_front_end():
     assert "--tp-comm-overlap" not in emit_for(part, no_sp, case["train"], model=LLAMA3_70B).megatron_args
 
 
+def test_memory_settings_for_every_front_end():
+    """Megatron FSDP, the precision-aware optimizer, optimizer and activation offloading in each target's names;
+    what a target cannot take is flagged NOT EMITTED."""
+    case = GOLDEN_CASES["llama3_70b_tp4pp8"]
+    part = make_partition(case["stages"], pp=8)
+    features = dataclasses.replace(case["parallel"].features, fine_grained_activation_offloading=True,
+                                   offload_modules=("core_attn", "attn_proj"))
+    parallel = dataclasses.replace(case["parallel"], use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads",
+                                   features=features)
+    train = dataclasses.replace(case["train"], use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                                exp_avg_sq_dtype="bf16", optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+    out = emit_for(part, parallel, train, model=LLAMA3_70B, gpu=H100)
+    args = list(out.megatron_args)
+    assert args[args.index("--data-parallel-sharding-strategy") + 1] == "optim_grads"
+    assert args[args.index("--ckpt-format") + 1] == "fsdp_dtensor"
+    assert {"--use-megatron-fsdp", "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+            "--fine-grained-activation-offloading"} <= set(args)
+    assert args[args.index("--exp-avg-dtype") + 1] == "bf16"
+    assert args[args.index("--optimizer-offload-fraction") + 1] == "0.5"
+    assert args[args.index("--offload-modules") + 1:args.index("--offload-modules") + 3] == ["core_attn", "attn_proj"]
+    env = dict(out.megatron_env)
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] != "1" and env["NVTE_CPU_OFFLOAD_V1"] == "1"  # FSDP refuses 1
+    assert {"ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads",
+            "checkpoint.ckpt_format=fsdp_dtensor", "optimizer.exp_avg_dtype=bf16",
+            "optimizer.optimizer_offload_fraction=0.5", "model.fine_grained_activation_offloading=true"} \
+        <= set(out.bridge_overrides)
+    assert {"trainer.strategy.fsdp=megatron", "optim.config.use_precision_aware_optimizer=true",
+            "model.config.fine_grained_activation_offloading=true"} <= set(out.nemo2_overrides)
+    not_emitted = [w for w in out.warnings if w.startswith("NOT EMITTED")]
+    assert any("Megatron FSDP for NeMo 1" in w for w in not_emitted)
+    assert any("optimizer_cpu_offload for NeMo 1" in w for w in not_emitted)
+    assert any("fine-grained activation offloading for NeMo 1" in w for w in not_emitted)
+    assert any("optim.config.exp_avg_dtype=bf16" in w for w in out.warnings)  # NeMo 2 cannot spell torch dtypes
+    for line in (*out.bridge_overrides, *out.nemo2_overrides):
+        PARSER.parse_overrides([line])
+    # NeMo 1's apex optimizer keeps one state dtype; the dev branch's state offloading goes nowhere
+    state = dataclasses.replace(case["train"], use_precision_aware_optimizer=True, main_params_dtype="bf16",
+                                exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16", offload_optimizer_states=True)
+    out = emit_for(part, case["parallel"], state, model=LLAMA3_70B, gpu=H100)
+    assert "model.optim.dtype=bf16" in out.nemo1_overrides and "--main-params-dtype" not in out.megatron_args
+    assert any(w.startswith("NOT EMITTED: offload_optimizer_states") for w in out.warnings)
+    assert any(w.startswith("NOT EMITTED: main_params_dtype=bf16") for w in out.warnings)
+    plain = emit_for(part, case["parallel"], case["train"], model=LLAMA3_70B, gpu=H100)
+    assert not {"--use-megatron-fsdp", "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+                "--fine-grained-activation-offloading"} & set(plain.megatron_args)
+
+
 def test_bridge_nested_keys_keep_model_fields_outside_the_transformer():
     case = GOLDEN_CASES["llama3_70b_tp4pp8"]
     part = make_partition(case["stages"], pp=8)

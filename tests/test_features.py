@@ -259,3 +259,29 @@ def test_feature_keys_are_transformer_config_fields_of_megatron_core():
     assert set(keys) - names == set()
     for key in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute"):
         assert key in names
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["train.fine_grained_activation_offloading=true"], "go together"),
+    (["train.offload_modules=[expert_fc1]"], "go together"),
+    (["train.fine_grained_activation_offloading=true", "train.offload_modules=[attn_proj]"], "core_attn too"),
+    (["train.fine_grained_activation_offloading=true", "train.offload_modules=[rope]"], "offload_modules holds"),
+    (["model=llama3_8b", "train.fine_grained_activation_offloading=true", "train.offload_modules=[moe_act]"],
+     "no experts"),
+])
+def test_fine_grained_activation_offloading_as_megatron_core_checks_it(overrides, match):
+    from megapipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        _scenario("model=mixtral_8x7b", "parallel.tensor_model_parallel_size=1",
+                  "parallel.pipeline_model_parallel_size=1", *overrides)
+
+
+def test_offload_modules_reach_the_features_and_the_emitted_config():
+    scenario = _scenario("model=mixtral_8x7b", "parallel.tensor_model_parallel_size=1",
+                         "parallel.pipeline_model_parallel_size=1", "train.fine_grained_activation_offloading=true",
+                         "train.offload_modules=[expert_fc1,moe_act]")
+    features = scenario.parallel.features
+    assert features.fine_grained_activation_offloading and features.offload_modules == ("expert_fc1", "moe_act")
+    settings = feature_config(scenario.model, scenario.parallel, scenario.train)
+    assert settings["offload_modules"] == ["expert_fc1", "moe_act"]

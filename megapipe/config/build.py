@@ -25,6 +25,7 @@ from importlib import resources
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from megapipe.config.hf import read_hf_config
+from megapipe.config.memory import memory_fields
 from megapipe.config.options import output_options, replan_options, search_options
 from megapipe.config.schema import ModelConfig, register_configs
 from megapipe.cost.precision import PRECISIONS, check_precision, default_fp8_recipe
@@ -33,6 +34,7 @@ from megapipe.config.validate import (
     MAX_LAYERS,
     MAX_SIZE,
     MAX_SEQ_LENGTH,
+    check_bounds,
     check_cluster,
     check_gpu,
     check_known_keys,
@@ -40,6 +42,7 @@ from megapipe.config.validate import (
     positive_int,
 )
 from megapipe.errors import ConfigError
+from megapipe.cost.model_state import state_problem
 from megapipe.features import feature_problem
 from megapipe.records import (
     SEARCH_DIMENSIONS,
@@ -443,6 +446,8 @@ def _features(cfg: DictConfig, model: ModelSpec, *, search: bool) -> tuple[Runti
         recompute_modules=("core_attn",) if modules is None else modules,
         moe_router_force_load_balancing=bool(_flag(train, "moe_router_force_load_balancing")),
         moe_router_padding_for_quantization=bool(_flag(train, "moe_router_padding_for_quantization")),
+        fine_grained_activation_offloading=bool(_flag(train, "fine_grained_activation_offloading")),
+        offload_modules=_names(train, "offload_modules") or (),
     )
     pinned = {}
     if dispatcher is not None:
@@ -497,7 +502,7 @@ def to_scenario(cfg: DictConfig, *, search: bool = False, fill: Mapping[str, obj
     train = _train_spec(cfg, model, cluster, values, parallel)
     _check_run_size(cfg)
     problem = feature_problem(parallel.features, model=model, parallel=_pinned_sizes(given, parallel) if search else parallel,
-                              train=train)
+                              train=train) or state_problem(parallel, train)
     if problem:
         raise ConfigError(problem)
     given.update(pinned)
@@ -576,6 +581,7 @@ def _parallel_spec(cfg: DictConfig, model: ModelSpec, cluster: ClusterSpec, valu
         tp_comm_overlap=bool(cfg.parallel.get("tp_comm_overlap", False)),
         overlap_grad_reduce=bool(cfg.parallel.get("overlap_grad_reduce", True)),
         overlap_param_gather=bool(cfg.parallel.get("overlap_param_gather", True)),
+        **memory_fields(cfg.parallel, ParallelSpec),
     ), pinned
 
 
@@ -593,7 +599,9 @@ def _train_spec(cfg: DictConfig, model: ModelSpec, cluster: ClusterSpec, values:
         **_fp8_fields(cfg, precision, cluster, parallel),
         moe_load_imbalance=_imbalance(cfg.train.get("moe_load_imbalance"), cluster.runtime),
         grad_reduce_in_fp32=bool(cfg.train.get("grad_reduce_in_fp32", True)),
+        **memory_fields(cfg.train, TrainSpec),
     )
+    check_bounds(train, "train")
     for index, group in enumerate(cluster.node_groups):
         check_precision(train, group.gpu, where=f"cluster.node_groups[{index}].gpu" if cluster.is_heterogeneous
                         else "cluster.gpu")

@@ -19,6 +19,9 @@ bucket by bucket under the next step's first forward. Exposed time per rank:
 
 and the whole of each collective without the overlap flags.
 
+Megatron FSDP (``optim_grads``, ``optim_grads_params``) moves these collectives into every microbatch
+(:func:`_fsdp_sync_ms`); its ``optim`` strategy is the distributed optimizer's.
+
 Routed-expert parameters have their own buffers and optimizer, reduced and sharded over the expert
 data-parallel group (EDP = world / (ETP x EP x PP); megatron-core ``DistributedDataParallel``'s
 ``expert_parallel_buffers``), after the dense ones.
@@ -106,6 +109,9 @@ def _group_sync_ms(*, params: float, group: int, link: LinkSpec, train: TrainSpe
 
     grad_bytes = grad_bytes_per_param(train.precision)
     bucket = min(params, max(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_RANK * group))
+    if parallel.use_megatron_fsdp and parallel.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
+        return _fsdp_sync_ms(ring, params=params, bucket=bucket, train=train, parallel=parallel,
+                             backward_ms=backward_ms, forward_ms=forward_ms)
     if not parallel.use_distributed_optimizer:
         reduce = ring(Collective.all_reduce, params, grad_bytes)
         return _overlapped(reduce, ring(Collective.all_reduce, bucket, grad_bytes), backward_ms,
@@ -116,6 +122,26 @@ def _group_sync_ms(*, params: float, group: int, link: LinkSpec, train: TrainSpe
     gather = _overlapped(ring(Collective.all_gather, params, gather_bytes),
                          ring(Collective.all_gather, bucket, gather_bytes), forward_ms, parallel.overlap_param_gather)
     return reduce + gather
+
+
+def _fsdp_sync_ms(ring, *, params: float, bucket: float, train: TrainSpec, parallel: ParallelSpec,
+                  backward_ms: float, forward_ms: float) -> float:
+    """Megatron FSDP's exposed collectives over one step: its gradients are sharded, so every microbatch's
+    backward reduce-scatters them (``optim_grads``); with the weights sharded too (``optim_grads_params``) every
+    forward and backward first all-gathers them, layer by layer with the next layer prefetched (its README's
+    runtime schedule), so only what outlasts the compute it runs under is exposed. ``optim_grads`` gathers the
+    updated weights once per step, as the distributed optimizer does."""
+    microbatches = max(1, train.num_microbatches(parallel.data_parallel_size))
+    grad_bytes, gather_bytes = grad_bytes_per_param(train.precision), param_gather_bytes_per_param(train)
+    reduce, reduce_bucket = (ring(Collective.reduce_scatter, count, grad_bytes) for count in (params, bucket))
+    gather, gather_bucket = (ring(Collective.all_gather, count, gather_bytes) for count in (params, bucket))
+    if parallel.data_parallel_sharding_strategy == "optim_grads":
+        per_microbatch = _overlapped(reduce, reduce_bucket, backward_ms, parallel.overlap_grad_reduce)
+        return microbatches * per_microbatch + _overlapped(gather, gather_bucket, forward_ms,
+                                                           parallel.overlap_param_gather)
+    forward = _overlapped(gather, gather_bucket, forward_ms, parallel.overlap_param_gather)
+    backward = _overlapped(gather + reduce, gather_bucket + reduce_bucket, backward_ms, parallel.overlap_grad_reduce)
+    return microbatches * (forward + backward)
 
 
 def dp_sync_ms(*, params_per_gpu: float, train: TrainSpec, cluster: ClusterSpec, parallel: ParallelSpec,

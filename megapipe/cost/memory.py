@@ -32,8 +32,16 @@ FP8 training (Transformer Engine): each linear layer saves its *quantized* input
 weight-gradient GEMM (TE ``module/layernorm_linear.py`` and ``module/linear.py`` keep the FP8
 input, 1 byte, plus one scale per 32 elements under MXFP8) instead of the bf16 one. So the
 linear_qkv and linear_fc1 inputs (the norms' outputs) and the linear_fc2 input shrink to
-1 byte, while linear_proj's FP8 input is an extra copy: the attention kernel still keeps its
-bf16 output for its own backward.
+1 byte. linear_proj saves an extra FP8 copy of the attention output only under delayed scaling: for the other
+recipes megatron-core (0.14 and later) has it save the attention kernel's bf16 output, which the kernel keeps anyway.
+
+Megatron's layer spec (``gpt_layer_specs.py``) decides which norm is its own module: with grouped-query attention
+the input norm is fused into linear_qkv and a dense layer's pre-MLP norm into linear_fc1 (Transformer Engine's
+LayerNormLinear keeps the norm's input and its output); multi-latent attention and MoE layers have separate norms,
+the only ones recompute_modules ``layernorm`` re-runs. Each saved tensor is listed with the module whose forward
+saves it (:func:`decoder_activation_bytes`), so fine-grained activation offloading subtracts what the offload
+modules save; a tensor two modules save (the attention output, kept by the kernel and linear_proj) leaves the GPU
+only when both are offloaded.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ __all__ = [
     "p2p_bytes",
     "dispatcher_transient_bytes",
     "recomputed",
+    "offloaded",
 ]
 
 _INDEX_BYTES = 8
@@ -72,54 +81,93 @@ def recomputed(shapes: Shapes) -> frozenset[str]:
     return frozenset(shapes.features.recompute_modules)
 
 
-def _replicated_bytes(shapes: Shapes) -> float:
-    """Norm inputs, the linear layers' norm-written inputs (discarded and recomputed with ``layernorm`` in
-    recompute_modules: megatron-core's CheckpointWithoutOutput), dropout masks."""
-    e, linear_in = shapes.element_bytes, _linear_input_bytes(shapes)
-    norm_outputs = 0.0 if "layernorm" in recomputed(shapes) else 2 * linear_in
-    per_token = shapes.hidden_size * (2 * e + norm_outputs + (2 if shapes.dropout else 0))
-    return shapes.norm_tokens * per_token
+def offloaded(shapes: Shapes) -> frozenset[str]:
+    """The ``offload_modules`` whose saved tensors fine-grained activation offloading moves to the host."""
+    if not shapes.features.fine_grained_activation_offloading:
+        return frozenset()
+    return frozenset(shapes.features.offload_modules)
 
 
-def _attention_bytes(shapes: Shapes) -> float:
-    e, q, kv, v = shapes.element_bytes, shapes.query_size, shapes.kv_size, shapes.value_size
-    linear_in = _linear_input_bytes(shapes)
-    # Unfused attention repeats K and V to every query head before the batched GEMMs (GQA), so
-    # what those GEMMs keep is q wide; flash/fused kernels take the grouped K and V as they are.
-    if shapes.unfused_attention and not shapes.mla:
-        kv = v = q
+def _proj_keeps_own_copy(shapes: Shapes) -> bool:
+    """Whether linear_proj saves an FP8 copy of the attention output beside the bf16 one the attention kernel keeps:
+    only with delayed scaling. For the other FP8 recipes megatron-core (0.14 and later, ``SelfAttention.__init__``
+    and ``MLASelfAttention.__init__``: ``set_save_original_input(self.linear_proj)``) has it save the original."""
+    return shapes.gemm_dtype == "fp8" and shapes.fp8_recipe == "delayed"
+
+
+def _attention_saved(shapes: Shapes) -> list[tuple[str, float]]:
+    """(owner module, bytes) the attention half of a layer saves.
+
+    GQA: Transformer Engine's fused norm + linear_qkv (``TELayerNormColumnParallelLinear``) keeps its input and
+    its normalised (quantised, under FP8) output; with ``qk_layernorm`` the per-head norms keep their inputs; the
+    attention kernel keeps q, k, v and its output, which linear_proj shares. MLA: a separate input norm keeps its
+    input and each down-projection its own (quantised) copy of the norm's output, and the latents are kept before
+    and after their norms.
+    """
+    e, q, kv, v, h = shapes.element_bytes, shapes.query_size, shapes.kv_size, shapes.value_size, shapes.hidden_size
+    linear_in, t, modules = _linear_input_bytes(shapes), shapes.tensor_model_parallel_size, recomputed(shapes)
     out = shapes.attention_out_size
-    proj_input = e * out + (linear_in * out if shapes.gemm_dtype == "fp8" else 0.0)
+    saved = [("attn_norm" if shapes.mla else "qkv_linear", e * shapes.norm_tokens * h)]
+    if shapes.mla:
+        copies = 0.0 if "layernorm" in modules else (2 * linear_in if shapes.gemm_dtype == "fp8" else e)
+        latents = shapes.q_lora_rank + shapes.kv_lora_rank
+        saved += [("qkv_linear", copies * shapes.norm_tokens * h),
+                  ("qkv_linear", (2 if shapes.qk_layernorm else 1) * e * shapes.tokens * latents)]
+    else:
+        saved.append(("qkv_linear", linear_in * shapes.norm_tokens * h))
+        if shapes.qk_layernorm:
+            saved.append(("qkv_linear", e * shapes.tokens * (q + kv) / t))
+    if shapes.unfused_attention and not shapes.mla:
+        kv = v = q  # unfused attention repeats K and V to every query head before its batched GEMMs
     # MLA's up-projected q, k, v are recomputed before the attention backward with mla_up_proj
-    qkv = 0.0 if shapes.mla and "mla_up_proj" in recomputed(shapes) else e * (q + kv + v)
-    sharded = shapes.tokens * (qkv + proj_input) / shapes.tensor_model_parallel_size
-    if not shapes.mla:
-        return sharded
-    # MLA's gathered latents, each kept before and after its norm for the up-projection's backward.
-    latents = shapes.q_lora_rank + shapes.kv_lora_rank
-    return sharded + (2 if shapes.qk_layernorm else 1) * e * shapes.tokens * latents
+    qkv = 0.0 if shapes.mla and "mla_up_proj" in modules else e * (q + kv + v)
+    saved += [("core_attn", shapes.tokens * qkv / t), ("core_attn+attn_proj", e * shapes.tokens * out / t)]
+    if _proj_keeps_own_copy(shapes):
+        saved.append(("attn_proj", linear_in * shapes.tokens * out / t))
+    return saved
 
 
-def _mlp_bytes(shapes: Shapes, *, moe: bool) -> float:
-    """The MLP's saved tensors: activation input and fc2 input (dense, shared experts, routed experts);
-    with MoE also the router's fp32 logits and probabilities, and the routed experts' inputs and outputs
-    (the permuted tokens, and what unpermute weighs by the routing probabilities), times the stated load
-    imbalance on the busiest rank."""
-    e, t, linear_in = shapes.element_bytes, shapes.tensor_model_parallel_size, _linear_input_bytes(shapes)
+def _routed_saved(shapes: Shapes) -> list[tuple[str, float]]:
+    """The routed experts' saved tensors: linear_fc1's (permuted) input, the activation's input, linear_fc2's
+    input, times the load imbalance on the busiest rank. megatron-core (0.13 and later) multiplies the routing
+    probabilities into the activation (``TEGroupedMLP.bias_act_func``: ``weighted_bias_swiglu_impl``) and unpermutes
+    without them (``token_dispatcher.py``: ``unpermute`` takes no probs), so no expert output is kept
+    ("memory-efficient permutation", arXiv 2603.07685 Sec. 4.1.2)."""
+    e, f, modules = shapes.element_bytes, shapes.expert_ffn_hidden_size, recomputed(shapes)
+    linear_in, etp = _linear_input_bytes(shapes), shapes.expert_tensor_parallel_size
+    scale = shapes.expert_tokens * shapes.moe_load_imbalance
+    act_input = (2 if shapes.gated else 1) * e * f / etp
+    fc2_input = 0.0 if "moe_act" in modules else linear_in * f / etp  # moe_act discards the activation's output
+    return [("expert_fc1", scale * linear_in * shapes.hidden_size), ("moe_act", scale * act_input),
+            ("", scale * fc2_input)]
+
+
+def _mlp_saved(shapes: Shapes, *, moe: bool) -> list[tuple[str, float]]:
+    """(owner module, bytes) the MLP half of a layer saves.
+
+    Dense: the norm is fused into linear_fc1, which keeps its input and normalised output; the activation's input
+    and linear_fc2's input. A recomputed ``mlp`` keeps only its input (the norm's input). MoE: a separate
+    pre-MLP norm keeps its input; the router keeps its bf16 input (``RouterGatingLinearFunction``), which the shared
+    experts' linear_fc1 shares under FP8 but delayed scaling (``SharedExpertMLP.__init__``); the router's fp32
+    logits and probabilities; the shared and routed experts.
+    """
+    e, h, t, linear_in = shapes.element_bytes, shapes.hidden_size, shapes.tensor_model_parallel_size, \
+        _linear_input_bytes(shapes)
     per_width = (2 if shapes.gated else 1) * e + linear_in
-    modules = recomputed(shapes)
-    if not moe:  # recompute "mlp" keeps only the MLP's input (the norm output, counted with the norms)
-        return 0.0 if "mlp" in modules else shapes.tokens * per_width * shapes.ffn_hidden_size / t
+    modules, norm = recomputed(shapes), shapes.norm_tokens * h
+    if not moe:
+        if "mlp" in modules:
+            return [("", e * norm)]
+        return [("", (e + linear_in) * norm), ("", shapes.tokens * per_width * shapes.ffn_hidden_size / t)]
+    saved = [("mlp_norm", e * norm)]
     if "moe" in modules:
-        return 0.0
-    router = 2 * 4 * shapes.num_experts * shapes.norm_tokens
-    shared = 0.0 if "shared_experts" in modules else shapes.tokens * per_width * shapes.shared_ffn_hidden_size / t
-    # moe_act discards the activation's output (linear_fc2's input) and recomputes it from linear_fc1's output
-    routed_width = per_width - (linear_in if "moe_act" in modules else 0.0)
-    routed = shapes.expert_tokens * (
-        routed_width * shapes.expert_ffn_hidden_size / shapes.expert_tensor_parallel_size
-        + (linear_in + e) * shapes.hidden_size)
-    return router + shared + routed * shapes.moe_load_imbalance
+        return saved + [("", 0.0 if "layernorm" in modules else e * norm)]
+    saved.append(("", 0.0 if "layernorm" in modules else e * norm))
+    saved.append(("", 2 * 4 * shapes.num_experts * shapes.norm_tokens))
+    if shapes.shared_ffn_hidden_size and "shared_experts" not in modules:
+        own_copy = linear_in * norm if shapes.gemm_dtype == "fp8" and shapes.fp8_recipe == "delayed" else 0.0
+        saved.append(("", own_copy + shapes.tokens * per_width * shapes.shared_ffn_hidden_size / t))
+    return saved + _routed_saved(shapes)
 
 
 def _score_bytes(shapes: Shapes) -> float:
@@ -131,11 +179,24 @@ def _score_bytes(shapes: Shapes) -> float:
     return per_score * heads * shapes.micro_batch_size * shapes.local_seq_length * shapes.seq_length
 
 
+def _kept(owner: str, away: frozenset[str]) -> bool:
+    """Whether a tensor saved by ``owner`` (``a+b``: saved by both) stays on the GPU when ``away`` is offloaded."""
+    return not owner or not all(module in away for module in owner.split("+"))
+
+
 def decoder_activation_bytes(shapes: Shapes, *, moe: bool = False) -> float:
-    """Bytes one decoder layer (dense, or MoE with ``moe``) keeps for its backward, per microbatch, on one GPU."""
+    """Bytes one decoder layer (dense, or MoE with ``moe``) keeps on the GPU for its backward, per microbatch.
+
+    Fine-grained activation offloading (megatron-core ``fine_grained_activation_offload.py``) moves what the
+    offload modules save to the host in the forward and back before their backward; the last layer's group of
+    each module stays, one layer of the many in flight, which is left out.
+    """
     if shapes.recompute == Recompute.full:
         return shapes.element_bytes * shapes.norm_tokens * shapes.hidden_size
-    return _replicated_bytes(shapes) + _attention_bytes(shapes) + _mlp_bytes(shapes, moe=moe) + _score_bytes(shapes)
+    away = offloaded(shapes)
+    saved = _attention_saved(shapes) + _mlp_saved(shapes, moe=moe)
+    dropout = 2 * shapes.norm_tokens * shapes.hidden_size if shapes.dropout else 0.0
+    return sum(num_bytes for owner, num_bytes in saved if _kept(owner, away)) + dropout + _score_bytes(shapes)
 
 
 def embedding_activation_bytes(shapes: Shapes) -> float:

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megapipe.cost.flops import Gemm, decoder_gemms, eh_proj_gemm
+from megapipe.cost.model_state import bytes_per_parameter as state_bytes_per_parameter
+from megapipe.cost.model_state import fp8_copies_persist
 from megapipe.cost.precision import element_bytes, fp8_weight_copy_bytes
 from megapipe.cost.shapes import Shapes, shapes_of
 from megapipe.records import LayerKind, ModelSpec, ParallelSpec, TrainSpec
@@ -142,39 +144,17 @@ def active_parameter_count(model: ModelSpec, *, embedding: bool = True, output: 
 
 
 def bytes_per_parameter(*, precision: str, parallel: ParallelSpec, expert: bool = False,
-                        grad_reduce_in_fp32: bool = True) -> float:
-    """Weights + main grads + fp32 master weights + Adam m, v per parameter, as Megatron allocates them.
+                        grad_reduce_in_fp32: bool = True, train: TrainSpec | None = None) -> float:
+    """Weights + main grads + master weights + Adam moments per parameter, as Megatron allocates them (the table,
+    its sharding, the precision-aware optimizer, offloading and Megatron FSDP: :mod:`megapipe.cost.model_state`).
 
-    Megatron-LM ``docs/source/api-guide/dist_optimizer.md`` (d = data-parallel shards):
-
-    ======================  ====================  =================
-    params / main grads     non-distributed       distributed
-    ======================  ====================  =================
-    bf16 / fp32             18                    6 + 12 / d
-    fp16 / fp16             20                    4 + 16 / d
-    fp32 / fp32             16                    8 + 8 / d
-    ======================  ====================  =================
-
-    The distributed optimizer shards over the data-parallel group *with* context
-    parallelism (``intra_dp_cp`` in ``megatron/core/distributed``), so d = dp * cp; routed-expert
-    parameters (``expert=True``) get their own optimizer over the expert data-parallel group
-    (megatron-core ``optimizer/__init__.py``: ``intra_expt_dp_group``), so d = EDP = world / (ETP EP PP).
-
-    ``grad_reduce_in_fp32=False`` (bf16 and fp8 only) keeps the main gradients in the parameters' dtype:
-    megatron-core's ``DistributedDataParallel`` sizes each grad buffer ``torch.float if
-    ddp_config.grad_reduce_in_fp32 else param.dtype``, so 2 bytes instead of 4 (the fp32 master weights
-    and moments stay).
+    ``train`` states the optimizer settings; without it, Megatron's defaults at ``precision`` and
+    ``grad_reduce_in_fp32``. Routed-expert parameters (``expert=True``) shard over the expert data-parallel group.
     """
     element_bytes(precision)  # validates the name
-    # fp8 training keeps bf16 weights and fp32 main grads; its FP8 weight copies are unit_static_bytes'.
-    replicated, sharded = {"bf16": (6.0, 12.0), "fp8": (6.0, 12.0), "fp16": (4.0, 16.0), "fp32": (8.0, 8.0)}[precision]
-    if not grad_reduce_in_fp32 and precision in ("bf16", "fp8"):
-        replicated -= 2.0
-    if not parallel.use_distributed_optimizer:
-        return replicated + sharded
-    shards = (parallel.expert_data_parallel_size if expert
-              else parallel.data_parallel_size * parallel.context_parallel_size)
-    return replicated + sharded / shards
+    if train is None:
+        train = TrainSpec(precision=precision, grad_reduce_in_fp32=grad_reduce_in_fp32)
+    return state_bytes_per_parameter(train=train, parallel=parallel, expert=expert)
 
 
 def fp8_weights(shapes: Shapes, kind: LayerKind, *, moe: bool = False) -> float:
@@ -193,9 +173,9 @@ def unit_static_bytes(*, kind: LayerKind, params: float, shapes: Shapes, paralle
     ``params`` includes the unit's routed-expert parameters ``expert_params``, whose optimizer state
     shards over expert data parallelism instead.
     """
-    grads = train.grad_reduce_in_fp32
-    dense = bytes_per_parameter(precision=train.precision, parallel=parallel, grad_reduce_in_fp32=grads)
-    expert = (bytes_per_parameter(precision=train.precision, parallel=parallel, expert=True, grad_reduce_in_fp32=grads)
-              if expert_params else 0.0)
-    return ((params - expert_params) * dense + expert_params * expert
-            + fp8_weights(shapes, kind, moe=expert_params > 0) * fp8_weight_copy_bytes(train))
+    dense = bytes_per_parameter(precision=train.precision, parallel=parallel, train=train)
+    expert = bytes_per_parameter(precision=train.precision, parallel=parallel, expert=True, train=train) \
+        if expert_params else 0.0
+    copies = fp8_weight_copy_bytes(train) if fp8_copies_persist(parallel) else 0.0
+    fp8 = fp8_weights(shapes, kind, moe=expert_params > 0) * copies
+    return (params - expert_params) * dense + expert_params * expert + fp8

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapipe.emit.megatron import megatron_args, megatron_env
+from megapipe.emit.memory import memory_warnings
 from megapipe.emit.overrides import BridgeKeys, bridge_settings, nemo1_settings, nemo2_settings, to_overrides
 from megapipe.emit.precision import bridge_precision, nemo1_precision, tp_overlap_on
 from megapipe.emit.quoting import cli_number, shell_join, shell_quote
@@ -187,6 +188,9 @@ def _feature_warnings(model: ModelSpec, parallel: ParallelSpec) -> list[str]:
     if changed:
         warnings.append(f"NeMo 1 has no keys for the runtime features {', '.join(changed)}; its overrides leave them "
                         "at Megatron's defaults, so it would run slower than planned")
+    if features.fine_grained_activation_offloading:
+        warnings.append("NOT EMITTED: fine-grained activation offloading for NeMo 1, which has no key for it; the "
+                        "plan's memory counts on the offload modules' inputs leaving the GPU")
     return warnings
 
 
@@ -228,7 +232,7 @@ def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, mode
     if Activation(model.activation) == Activation.squared_relu:
         warnings.append("squared ReLU is a function in Megatron-Bridge and NeMo configs: start from a Nemotron "
                         "recipe there (Megatron-LM gets --squared-relu)")
-    warnings += _feature_warnings(model, parallel)
+    warnings += _feature_warnings(model, parallel) + memory_warnings(train, parallel)
     env = megatron_env(parallel=parallel, gpus=gpus, domain_gpus=domain_gpus)
     return Emitted(
         layout=layout,

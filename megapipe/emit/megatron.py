@@ -30,6 +30,7 @@ capability < 10) unless ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`megatron_env`)
 from __future__ import annotations
 
 from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
+from megapipe.emit.memory import megatron_memory_args
 from megapipe.emit.moe import hybridep_env, megatron_moe_args
 from megapipe.features import device_max_connections
 from megapipe.emit.precision import megatron_precision_args
@@ -125,6 +126,7 @@ def megatron_args(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mode
     args += _shape_args(model, train)
     args += megatron_moe_args(model, parallel, train)
     args += megatron_precision_args(train, parallel)
+    args += megatron_memory_args(train, parallel)
     return tuple(args)
 
 
@@ -133,16 +135,22 @@ def megatron_env(*, parallel: ParallelSpec, gpus: tuple[GpuSpec, ...], domain_gp
 
     CUDA_DEVICE_MAX_CONNECTIONS: 1 where ``validate_args`` demands it (TP or CP > 1 before Blackwell), except
     with EP overlap, which needs more than one (its all-to-alls run on a stream of their own; validate_args then
-    only warns); 32 for EP overlap or DeepEP/HybridEP otherwise (:func:`megapipe.features.device_max_connections`).
-    HybridEP's topology variables come from :func:`megapipe.emit.moe.hybridep_env`."""
+    only warns) and with Megatron FSDP, which refuses 1; 32 for EP overlap or DeepEP/HybridEP otherwise
+    (:func:`megapipe.features.device_max_connections`). HybridEP's topology variables come from
+    :func:`megapipe.emit.moe.hybridep_env`; fine-grained activation offloading needs NVTE_CPU_OFFLOAD_V1=1
+    (``validate_args``: Transformer Engine 2.10 and later would offload the weights too)."""
     env: dict[str, str] = {}
     wanted = device_max_connections(parallel.features)
     model_parallel = parallel.tensor_model_parallel_size > 1 or parallel.context_parallel_size > 1
-    if parallel.features.overlap_moe_expert_parallel_comm:
+    if parallel.use_megatron_fsdp:  # validate_args: "FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS ... > 1"
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(wanted or 32)
+    elif parallel.features.overlap_moe_expert_parallel_comm:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(wanted)
     elif model_parallel and any(gpu.before_blackwell for gpu in gpus):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     elif wanted:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(wanted)
     env.update(hybridep_env(parallel, domain_gpus=domain_gpus))
+    if parallel.features.fine_grained_activation_offloading:  # validate_args: TE >= 2.10 offloads weights without it
+        env["NVTE_CPU_OFFLOAD_V1"] = "1"
     return env

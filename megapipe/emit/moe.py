@@ -25,7 +25,10 @@ Megatron-LM's own ``validate_args`` at core_v0.16.1, core_v0.19.0 and main, docs
   ``model.use_te_rng_tracker`` and ``rng.te_rng_tracker``); a full-iteration graph also turns off the NaN check
   (``--no-check-for-nan-in-loss-and-grad``) and, with EP, sets ``--moe-pad-experts-for-cuda-graph-inference``
   (required at core_v0.16.1);
-- ``--recompute-modules`` with selective recompute.
+- ``--recompute-modules`` with selective recompute;
+- fine-grained activation offloading: ``--fine-grained-activation-offloading`` with ``--offload-modules``
+  (TransformerConfig fields at core_v0.16.1; :func:`megapipe.emit.megatron.megatron_env` adds the
+  ``NVTE_CPU_OFFLOAD_V1=1`` it needs).
 """
 
 from __future__ import annotations
@@ -149,6 +152,8 @@ def feature_config(model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -
     if (Recompute(train.recompute_granularity) == Recompute.selective
             and features.recompute_modules != RuntimeFeatures().recompute_modules):
         settings["recompute_modules"] = list(features.recompute_modules)
+    if features.fine_grained_activation_offloading:
+        settings.update(fine_grained_activation_offloading=True, offload_modules=list(features.offload_modules))
     return settings
 
 

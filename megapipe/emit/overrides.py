@@ -28,6 +28,7 @@ import enum
 
 from megapipe.cost.shapes import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 from megapipe.emit.megatron import family_settings, recompute_settings
+from megapipe.emit.memory import bridge_memory, nemo1_memory, nemo2_memory
 from megapipe.emit.moe import expert_parallel_config, feature_config, moe_config, overlap_config
 from megapipe.emit.precision import bridge_precision, nemo1_precision, nemo2_precision
 from megapipe.emit.quoting import format_override
@@ -130,6 +131,7 @@ def bridge_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mo
         "ddp.overlap_grad_reduce": parallel.overlap_grad_reduce,
         "ddp.overlap_param_gather": parallel.use_distributed_optimizer and parallel.overlap_param_gather,
         **bridge_precision(train, parallel)[0],
+        **bridge_memory(train, parallel),
     }
     settings.update({f"++env_vars.{name}": value for name, value in env.items()})
     return settings
@@ -161,6 +163,7 @@ def nemo2_settings(*, layout: str, parallel: ParallelSpec, train: TrainSpec, mod
         "data.seq_length": train.seq_length,
         "optim.config.use_distributed_optimizer": parallel.use_distributed_optimizer,
         **nemo2_precision(train),
+        **nemo2_memory(train, parallel),
     }
 
 
@@ -202,6 +205,7 @@ def nemo1_settings(*, parallel: ParallelSpec, train: TrainSpec, model: ModelSpec
     settings.update({f"++model.{key}": value for key, value in moe.items()})
     if parallel.use_distributed_optimizer:
         settings["model.optim.name"] = "distributed_fused_adam"
+        settings.update(nemo1_memory(train))
     return settings
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megapipe.records import ParallelSpec, Partition, RuntimeFeatures, TrainSpec
+from megapipe.records import (PARALLEL_MEMORY_FIELDS, TRAIN_MEMORY_FIELDS, ParallelSpec, Partition, RuntimeFeatures,
+                              TrainSpec)
 
 __all__ = ["Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult",
            "features_dict"]
@@ -44,6 +45,7 @@ class Candidate:
             par.expert_tensor_parallel_size,
             par.features,
             train.moe_load_imbalance,
+            _memory_settings(par, train),
         )
 
 
@@ -199,6 +201,10 @@ def _parallel_dict(par: ParallelSpec, *, moe: bool) -> dict:
         **({"tp_comm_overlap": True} if par.tp_comm_overlap and par.sequence_parallel else {}),
         **({"microbatch_group_size_per_vp_stage": par.microbatch_group_size_per_vp_stage}
            if par.microbatch_group_size_per_vp_stage and par.virtual_pipeline_model_parallel_size > 1 else {}),
+        **({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": par.data_parallel_sharding_strategy}
+           if par.use_megatron_fsdp else {}),
+        **({"fine_grained_activation_offloading": True, "offload_modules": list(par.features.offload_modules)}
+           if par.features.fine_grained_activation_offloading and not moe else {}),
         **({"expert_model_parallel_size": par.expert_model_parallel_size,
             "expert_tensor_parallel_size": par.expert_tp,
             "expert_data_parallel_size": par.expert_data_parallel_size,
@@ -218,7 +224,16 @@ def _train_dict(train: TrainSpec, *, num_microbatches: int) -> dict:
         "precision": train.precision,
         **({"fp8_recipe": train.fp8_recipe, "fp8_param_gather": train.fp8_param_gather}
            if train.precision == "fp8" else {}),
+        **{name: value for name, value in _memory_settings(None, train) if value != getattr(TrainSpec(), name)},
     }
+
+
+def _memory_settings(par: ParallelSpec | None, train: TrainSpec | None) -> tuple[tuple[str, object], ...]:
+    """(name, value) of the memory settings (:data:`megapipe.records.PARALLEL_MEMORY_FIELDS` and
+    ``TRAIN_MEMORY_FIELDS``): what the per-unit static bytes read beyond the sizes and precision, and what plan.yaml
+    records when they are not the default."""
+    return (tuple((name, getattr(par, name)) for name in PARALLEL_MEMORY_FIELDS if par is not None)
+            + tuple((name, getattr(train, name)) for name in TRAIN_MEMORY_FIELDS if train is not None))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -284,6 +299,8 @@ def features_dict(features: RuntimeFeatures) -> dict:
                cuda_graph_impl=features.cuda_graph_impl, cuda_graph_scope=list(features.cuda_graph_scope),
                moe_router_force_load_balancing=features.moe_router_force_load_balancing,
                moe_router_padding_for_quantization=features.moe_router_padding_for_quantization)
+    if features.fine_grained_activation_offloading:
+        out.update(fine_grained_activation_offloading=True, offload_modules=list(features.offload_modules))
     return out
 
 

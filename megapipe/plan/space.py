@@ -93,7 +93,7 @@ class Space:
     microbatch_group_size_per_vp_stage: int | None = None
     """Megatron's interleaving group (``parallel.microbatch_group_size_per_vp_stage``); P when None."""
     template: ParallelSpec = ParallelSpec()
-    """Where the settings the search does not vary come from: tp_comm_overlap and the DP overlap flags."""
+    """Where the settings the search does not vary come from: tp_comm_overlap, the DP overlap flags, Megatron FSDP."""
     _records: dict = field(default_factory=dict, compare=False, repr=False)
     """ParallelSpec and TrainSpec records already built, by their fields: points share them."""
 
@@ -113,6 +113,8 @@ class Space:
                 tp_comm_overlap=self.template.tp_comm_overlap and point.sequence_parallel,
                 overlap_grad_reduce=self.template.overlap_grad_reduce,
                 overlap_param_gather=self.template.overlap_param_gather,
+                use_megatron_fsdp=self.template.use_megatron_fsdp,
+                data_parallel_sharding_strategy=self.template.data_parallel_sharding_strategy,
                 expert_model_parallel_size=point.expert_model_parallel_size,
                 expert_tensor_parallel_size=point.expert_tensor_parallel_size,
                 features=point.features,

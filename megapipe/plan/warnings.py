@@ -15,6 +15,10 @@
 - MoE token dispatch whose transient buffers (:func:`megapipe.cost.memory.dispatcher_transient_bytes`)
   exceed the memory left free by ``gpu.usable_memory_fraction``: the plan's memory check does
   not hold them, so the run may go out of memory inside a MoE layer.
+- Offloading (optimizer state to the host, the hybrid CPU optimizer, fine-grained activation offloading): the
+  memory model moves the state or activations off the GPU, the step time does not charge the copies (assumed
+  hidden under compute, as arXiv 2603.07685 Sec. 4.1.5-4.1.6 measures them: 1.6-2% and 0.1-0.2 s per step) nor
+  the hybrid optimizer's host Adam.
 """
 
 from __future__ import annotations
@@ -33,6 +37,17 @@ FEW_MICROBATCHES_PER_STAGE = 4
 """At most this many microbatches per pipeline stage, with a bubble above the goal, is warned about."""
 _BUBBLE_GOAL = 0.10
 """The bubble the few-microbatches warning's suggested batch reaches when no search.bubble_target is set."""
+
+
+def _offload_warnings(parallel: ParallelSpec, train: TrainSpec) -> list[str]:
+    """What offloading moves off the GPU that the step time does not charge."""
+    out = []
+    if train.optimizer_cpu_offload:
+        out.append(f"optimizer_cpu_offload: {train.optimizer_offload_fraction:.0%} of the optimizer step runs on the "
+                   "host, which the step time does not charge")
+    if train.offload_optimizer_states or parallel.features.fine_grained_activation_offloading:
+        out.append("offloading: the host copies are assumed hidden under compute (the step time does not charge them)")
+    return out
 
 
 def plan_warnings(
@@ -58,6 +73,7 @@ def plan_warnings(
         out.append(f"MoE token dispatch holds {dispatcher_bytes / GIB:.1f} GiB of transient buffers per layer, more than "
                    f"the {reserve / GIB:.1f} GiB that gpu.usable_memory_fraction leaves free; lower "
                    "train.micro_batch_size or gpu.usable_memory_fraction")
+    out += _offload_warnings(parallel, train)
     if pp > MAX_PIPELINE_DEPTH:
         out.append(f"pipeline_model_parallel_size={pp} > {MAX_PIPELINE_DEPTH}: deep pipeline, p2p latency dominates")
     if bubble_warning_range is not None and pp > 1:

@@ -109,10 +109,11 @@ def _evaluate(evaluator: Evaluator, cand: Candidate, layout: str = "") -> Plan:
     return evaluator.finish(_prepare(evaluator, cand, layout))
 
 
-def _over_gib(run: PublishedRun, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec) -> float:
+def _over_gib(run: PublishedRun, cluster: ClusterSpec, parallel: ParallelSpec, train: TrainSpec,
+              layout: str = "") -> float:
     """GiB the run's fullest rank needs beyond its usable memory, by megapipe's memory model (0: it fits)."""
     evaluator = Evaluator(model=run.model, cluster=cluster, options=SearchOptions(ignore_memory_limit=True))
-    return _evaluate(evaluator, candidate_of(parallel, train)).memory_over_gib
+    return _evaluate(evaluator, candidate_of(parallel, train), layout).memory_over_gib
 
 
 def _ranked(run: PublishedRun, cluster: ClusterSpec, *, ignore_memory: bool) -> list[Plan]:
@@ -134,8 +135,8 @@ def resolve(run: PublishedRun, base: ClusterSpec) -> Resolved:
     """The run with its unknown settings chosen by the planner on the uncalibrated runtime."""
     cluster = run_cluster(run, base, RuntimeSpec())
     if not run.unknown:
-        return Resolved(run=run, parallel=run.parallel, train=run.train,
-                        memory_over_gib=_over_gib(run, cluster, run.parallel, run.train))
+        return Resolved(run=run, parallel=run.parallel, train=run.train, layout=run.layout,
+                        memory_over_gib=_over_gib(run, cluster, run.parallel, run.train, run.layout))
     plans = _ranked(run, cluster, ignore_memory=False) or _ranked(run, cluster, ignore_memory=True)
     if not plans:
         return Resolved(run=run, parallel=run.parallel, train=run.train, memory_over_gib=math.inf,
@@ -151,7 +152,7 @@ def resolve(run: PublishedRun, base: ClusterSpec) -> Resolved:
               "sequence_parallel": parallel.sequence_parallel,
               "recompute_granularity": train.recompute_granularity.value}
     return Resolved(run=run, parallel=parallel, train=train, chosen=tuple((name, values[name]) for name in run.unknown),
-                    memory_over_gib=_over_gib(run, cluster, parallel, train))
+                    layout=run.layout, memory_over_gib=_over_gib(run, cluster, parallel, train, run.layout))
 
 
 def predict(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None) -> Plan:

@@ -16,9 +16,12 @@ from megapipe.config.validate import check_model, positive_int
 from megapipe.cost.precision import FP8_RECIPES, PRECISIONS
 from megapipe.errors import ConfigError
 from megapipe.files import read_yaml
+from megapipe.layout import parse_layout
 from megapipe.schedules import MEGATRON_SCHEDULES
 from megapipe.schedules import spec as schedule_spec
-from megapipe.records import Activation, ModelSpec, ParallelSpec, Recompute, RuntimeFeatures, TrainSpec
+from megapipe.cost.model_state import state_problem
+from megapipe.records import (PARALLEL_MEMORY_FIELDS, TRAIN_MEMORY_FIELDS, Activation, ModelSpec, ParallelSpec,
+                              Recompute, RuntimeFeatures, TrainSpec)
 
 __all__ = ["PublishedRun", "RUNS_FORMAT", "UNKNOWABLE", "PUBLIC_RUNS", "runs_from_document", "read_runs"]
 
@@ -67,6 +70,8 @@ class PublishedRun:
     step_only: bool = False
     """A step measured with software its own source later fixed in ways megapipe does not model (kernel bugs,
     launch tuning): compared only with its neighbours in the sequence, not fitted or summarised alone."""
+    layout: str = ""
+    """The ``pipeline_model_parallel_layout`` the run states; empty: Megatron's default equal split."""
 
     @property
     def precision(self) -> str:
@@ -126,6 +131,7 @@ _FEATURE_KEYS = {
     "delay_wgrad_compute": bool, "moe_shared_expert_overlap": bool, "moe_permute_fusion": bool,
     "moe_router_fusion": bool, "cuda_graph_impl": str, "cuda_graph_scope": tuple, "recompute_modules": tuple,
     "moe_router_force_load_balancing": bool, "moe_router_padding_for_quantization": bool,
+    "fine_grained_activation_offloading": bool, "offload_modules": tuple,
 }
 """Runtime features a run may state, in megatron-core's names, under ``parallel``, ``train`` or ``features``."""
 
@@ -206,7 +212,23 @@ def _parallel_spec(parallel: Mapping, train: Mapping, where: str, *, num_gpus: i
         expert_model_parallel_size=int(parallel.get("expert_model_parallel_size") or 1),
         expert_tensor_parallel_size=int(parallel.get("expert_tensor_parallel_size") or 0),
         features=_features(parallel, train, where),
+        **_memory(parallel, PARALLEL_MEMORY_FIELDS, ParallelSpec(), where),
     )
+
+
+def _memory(block: Mapping, names: tuple[str, ...], defaults: object, where: str) -> dict[str, object]:
+    """The memory settings (Megatron FSDP, optimizer dtypes and offloading) the run states; the record's defaults
+    (Megatron's) for the rest."""
+    out = {}
+    for name in names:
+        value = block.get(name)
+        if value is None:
+            continue
+        kind = type(getattr(defaults, name))
+        if kind is bool and not isinstance(value, bool):
+            raise ConfigError(f"{where}: {name}={value!r} must be true or false")
+        out[name] = kind(value)
+    return out
 
 
 def _train_spec(train: Mapping, model: ModelSpec, where: str, *, precision: str, recipe: str) -> TrainSpec:
@@ -220,6 +242,7 @@ def _train_spec(train: Mapping, model: ModelSpec, where: str, *, precision: str,
         fp8_param_gather=bool(train.get("fp8_param_gather") or False),
         grad_reduce_in_fp32=bool(train.get("grad_reduce_in_fp32", True)),
         moe_load_imbalance=None if train.get("moe_load_imbalance") is None else float(train["moe_load_imbalance"]),
+        **_memory(train, TRAIN_MEMORY_FIELDS, TrainSpec(), where),
     )
 
 
@@ -230,6 +253,18 @@ def _check_stated(stated: Mapping, unknown: tuple[str, ...], where: str, *, tp: 
                and not (name == "virtual_pipeline_model_parallel_size" and pp == 1)]
     if missing:
         raise ConfigError(f"{where}: {missing} are null but not listed in unknown; state them or list them")
+
+
+def _layout(parallel: Mapping, where: str, *, pp: int, vp: object) -> tuple[str, object]:
+    """(the stated layout, the interleaving depth it implies or the stated one); ConfigError when they disagree."""
+    layout = str(parallel.get("pipeline_model_parallel_layout") or "")
+    if not layout:
+        return "", vp
+    stages = len(parse_layout(layout))
+    if stages % pp or (vp is not None and stages != pp * int(vp)):
+        raise ConfigError(f"{where}: pipeline_model_parallel_layout {layout!r} has {stages} stages, not "
+                          f"PP x VP = {pp} x {vp}; fix one of them")
+    return layout, stages // pp
 
 
 def _step_time(measured: Mapping, where: str) -> int | float:
@@ -247,7 +282,7 @@ def _run(node: Mapping, index: int) -> PublishedRun:
     model = _model(_get(node, "model", where), where)
     unknown = _unknown_settings(node, where)
     num_gpus, tp, pp, cp = _parallel_sizes(node, parallel, where)
-    vp = parallel.get("virtual_pipeline_model_parallel_size")
+    layout, vp = _layout(parallel, where, pp=pp, vp=parallel.get("virtual_pipeline_model_parallel_size"))
     sp = parallel.get("sequence_parallel")
     precision, recipe = _precision(train, where)
     schedule = _schedule(parallel, vp, where)
@@ -256,6 +291,9 @@ def _run(node: Mapping, index: int) -> PublishedRun:
     stated = {"micro_batch_size": train.get("micro_batch_size"), "virtual_pipeline_model_parallel_size": vp,
               "sequence_parallel": sp, "recompute_granularity": train.get("recompute_granularity")}
     _check_stated(stated, unknown, where, tp=tp, pp=pp)
+    problem = state_problem(spec, train_spec)
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
     step = _step_time(measured, where)
     source = node.get("source") or {}
     return PublishedRun(
@@ -268,7 +306,7 @@ def _run(node: Mapping, index: int) -> PublishedRun:
         how=str(measured.get("how", "")), verified=bool(node.get("verified", True)),
         assumptions=tuple(str(item) for item in node.get("assumptions") or ()),
         fit=bool(node.get("fit", True)) and not bool(node.get("step_only", False)),
-        ablation=str(node.get("ablation") or ""), step_only=bool(node.get("step_only", False)),
+        ablation=str(node.get("ablation") or ""), step_only=bool(node.get("step_only", False)), layout=layout,
     )
 
 
