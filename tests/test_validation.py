@@ -66,6 +66,32 @@ def test_bad_runs_get_one_error_naming_the_run_and_the_field():
         runs_from_document({"format": RUNS_FORMAT, "runs": [odd]})
 
 
+def test_runs_state_layouts_and_memory_settings_as_their_sources_ran_them():
+    """A stated layout sets the interleaving depth and is what the prediction splits by; the memory settings
+    (precision-aware optimizer, offloading, Megatron FSDP) reach the records; a layout of the wrong stage count is
+    refused."""
+    runs = {run.id: run for run in read_runs()}
+    recipe = runs["mlm_recipe_deepseek_v3_gb200_mxfp8_256gpu_tp1pp4ep64"]
+    assert recipe.layout == "Et*4|(tttt|)*14tmL" and recipe.parallel.virtual_pipeline_model_parallel_size == 4
+    assert (recipe.train.exp_avg_dtype, recipe.train.offload_optimizer_states) == ("bf16", True)
+    assert recipe.parallel.features.offload_modules == ("expert_fc1",)
+    fsdp = runs["nemo2504_fp8cs_gb200_llama3_70b_64gpu"].parallel
+    assert fsdp.use_megatron_fsdp and fsdp.data_parallel_sharding_strategy == "optim_grads_params"
+    document = _public()
+    node = next(run for run in document["runs"] if run["id"] == recipe.id)
+    bad = {**node, "parallel": {**node["parallel"], "virtual_pipeline_model_parallel_size": 2}}
+    with pytest.raises(ConfigError, match="16 stages, not PP x VP = 4 x 2"):
+        runs_from_document({"format": RUNS_FORMAT, "runs": [bad]})
+
+
+@pytest.mark.slow
+def test_public_runs_fit_megapipes_memory_model_but_the_one_documented():
+    """Every published run fits as it ran, but Llama 3 405B on 8,192 H100 (docs/validation.md says why)."""
+    runs = read_runs()
+    over = {run.id for run, base in zip(runs, _clusters(runs)) if not resolve(run, base).fits}
+    assert over == {"llama3_405b_8192gpu_seq8192"}
+
+
 def _subset(ids):
     runs = [run for run in read_runs() if run.id in ids]
     assert len(runs) == len(ids)
