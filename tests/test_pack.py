@@ -297,3 +297,30 @@ def test_the_even_split_names_the_job_it_cannot_place():
     options = [[_option(0, 4, 2e6)], [_option(0, 1, 1e6), _option(0, 2, 2e6)]]
     policy = _even_split(jobs, options, cluster, (4,), peak=1e18, restart_h=0.0)
     assert policy.options[0] is None and policy.note.startswith("wide fits in no even share of 2 nodes")
+
+
+def test_the_answer_does_not_depend_on_the_processes_that_search():
+    """The curves' searches run one batch per job shape through a process pool or the built-in map; the packing,
+    every baseline and the search count are the same."""
+    import multiprocessing
+
+    from megapipe.config import compose, to_scenario
+    from megapipe.options import PackOptions
+    from megapipe.pack import pack_jobs
+    from megapipe.records import JobSpec
+
+    cluster = to_scenario(compose(["cluster.num_nodes=4"]), search=True).cluster
+    small = compose(["model=llama3_8b"])
+    model = to_scenario(small, search=True).model
+    jobs = [JobSpec(name=f"job{i}", model=model, train=TrainSpec(global_batch_size=batch, seq_length=2048),
+                    tokens=1e10, weight=1.0) for i, batch in enumerate((32, 64, 64))]
+    options = PackOptions(node_counts=(1, 2, 4), baseline_pipeline_sizes=(1, 2))
+    alone = pack_jobs(jobs, cluster, options)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        pooled = pack_jobs(jobs, cluster, options, mapper=pool.imap)
+
+    def summary(result):
+        return [(policy.name, [(o.group, o.nodes, o.tokens_per_s) if o else None for o in policy.options],
+                 policy.weighted_flops_per_s) for policy in (result.packed, *result.baselines)]
+
+    assert summary(alone) == summary(pooled) and alone.searches == pooled.searches

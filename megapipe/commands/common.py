@@ -6,6 +6,7 @@ No command imports another; they all import this.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,7 +32,7 @@ from megapipe.simulate import P2PCost, StageTimes
 from megapipe.simulate import inputs as simulate_inputs
 
 __all__ = ["matched_profile", "scenario_profile", "stage_specs_of", "stage_times", "pipeline_p2p", "print_json",
-           "console", "warn", "MonitoredRun", "read_monitored_run"]
+           "console", "warn", "MonitoredRun", "read_monitored_run", "process_map"]
 
 _PIPED_WIDTH = 160
 """Columns when stdout is not a terminal: rich would fold tables into 80."""
@@ -175,3 +176,20 @@ def _check_sizes(scenario: Scenario, measured: MeasuredRun, plan: dict | None) -
         )
 
 
+@contextlib.contextmanager
+def process_map(count: int):
+    """A ``map`` for ``count`` independent tasks over the machine's cores: a fork process pool, in order, or the
+    built-in map when one process is all there is (one core, or one task). Work handed to it must not depend on
+    how many processes run it."""
+    workers = max(1, min(os.cpu_count() or 1, count))
+    if workers == 1:
+        yield map
+        return
+    import multiprocessing
+
+    pool = multiprocessing.get_context("fork").Pool(workers)
+    try:
+        yield lambda function, items: pool.imap(function, items, chunksize=max(1, -(-count // (4 * workers))))
+    finally:
+        pool.close()
+        pool.join()

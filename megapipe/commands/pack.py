@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from megapipe.commands.common import console, print_json, warn
+from megapipe.commands.common import console, print_json, process_map, warn
 from megapipe.config import Scenario, recorded_inputs, to_scenario
 from megapipe.config.jobs import jobs_of, pack_options, with_jobs_nodes
 from megapipe.config.options import output_options, search_options
@@ -137,7 +137,8 @@ def _pictures(result, cluster, directory: str) -> list[str]:
 
 def run(job: PackInputs, *, directory: str) -> None:
     cluster = job.scenario.cluster
-    result = pack_jobs(job.jobs, cluster, job.options, search=job.search)
+    with process_map(len(job.jobs)) as mapper:
+        result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper)
     document = pack_document(result, cluster, inputs=job.inputs)
     atomic_write_text(os.path.join(directory, "pack.yaml"), dump_yaml(document))
     written = [os.path.join(directory, "pack.yaml")]

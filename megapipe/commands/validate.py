@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megapipe.commands.common import console, print_json
+from megapipe.commands.common import console, print_json, process_map
 from megapipe.config import compose, to_scenario
 from megapipe.config.options import output_options
 from megapipe.errors import ConfigError
@@ -134,25 +134,6 @@ def prepare(cfg: DictConfig) -> ValidateInputs:
                           source=source)
 
 
-def _workers(count: int) -> int:
-    return max(1, min(os.cpu_count() or 1, count))
-
-
-def _pool(count: int):
-    """A fork process pool over the machine's cores for ``count`` tasks (None when one worker is all)."""
-    if _workers(count) == 1:
-        return None
-    import multiprocessing
-
-    return multiprocessing.get_context("fork").Pool(_workers(count))
-
-
-def _mapper(pool, count: int):
-    if pool is None:
-        return map
-    return lambda function, items: pool.imap(function, items, chunksize=max(1, -(-count // (4 * _workers(count)))))
-
-
 class _Progress:
     """Where validate is: a bar per phase on a terminal's stderr, else one line per phase (what a piped run shows)."""
 
@@ -197,10 +178,8 @@ class _Progress:
 
 
 def _rows(job: ValidateInputs) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
-    pool = _pool(len(job.runs))
-    try:
+    with process_map(len(job.runs)) as mapper:
         with _Progress() as progress:
-            mapper = _mapper(pool, len(job.runs))
             resolved = progress.mapper(mapper, f"resolving {len(job.runs)} runs")(
                 _resolve, list(zip(job.runs, job.clusters)))
             runs = RunSet(resolved, job.clusters)
@@ -215,10 +194,6 @@ def _rows(job: ValidateInputs) -> tuple[list[Row], RuntimeSpec, RuntimeSpec]:
                                         mapper=progress.mapper(mapper, "leave-one-source-out refits"),
                                         neutral=RuntimeSpec(name=in_use.name)) \
                 if job.leave_one_source_out else (None,) * len(runs)
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
     rows = []
     for index, item in enumerate(resolved):
         plan = runs.plan(index, in_use)

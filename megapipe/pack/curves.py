@@ -9,7 +9,7 @@ With ``pipeline_model_parallel_size`` fixed the curve is the fixed-depth baselin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megapipe.cost import model_flops_per_token
@@ -20,7 +20,7 @@ from megapipe.plan.search import search
 from megapipe.plan.unit_costs import SharedCosts
 from megapipe.records import ClusterSpec, JobSpec, NodeGroup
 
-__all__ = ["Option", "CurveCache", "default_node_counts", "job_options", "sub_cluster"]
+__all__ = ["Option", "CurveCache", "curve_requests", "default_node_counts", "job_options", "sub_cluster"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,7 +65,11 @@ CURVE_OPTIONS = SearchOptions(top_k=1)
 
 @dataclass
 class CurveCache:
-    """Search results by (job shape, group, nodes, fixed pipeline size); None where nothing fits."""
+    """Search results by (job shape, group, nodes, fixed pipeline size); None where nothing fits.
+
+    Each result keeps its plans without their simulations (the op-by-op timelines): a curve point needs the
+    plan's figures and a job directory its plan record, and results travel between processes
+    (:meth:`prefetch`), where a simulation weighs about 35 times the rest."""
 
     cluster: ClusterSpec
     options: SearchOptions = CURVE_OPTIONS
@@ -75,27 +79,79 @@ class CurveCache:
     """SharedCosts by (job shape, group): every node count and pipeline size of a shape prices its layers once."""
 
     def best(self, job: JobSpec, group: int, nodes: int, pipeline: int | None = None) -> SearchResult | None:
-        shape = (job.model, job.train, job.max_micro_batch_size, job.template, job.fixed, group)
-        key = (*shape, nodes, pipeline)
+        shape, key = _keys(job, group, nodes, pipeline)
         if key not in self.found:
             self.searches += 1
-            options = self.options
-            if job.max_micro_batch_size is not None:
-                sizes = tuple(size for size in options.micro_batch_sizes if size <= job.max_micro_batch_size)
-                options = dataclasses.replace(options, micro_batch_sizes=sizes or (job.max_micro_batch_size,))
-            fixed = dict(job.fixed)
-            if pipeline is not None:
-                fixed["pipeline_model_parallel_size"] = pipeline
-            template = job.template
-            try:
-                self.found[key] = search(model=job.model, cluster=sub_cluster(self.cluster, group, nodes),
-                                         train=job.train, fixed=fixed, options=options, template=template,
-                                         use_distributed_optimizer=template.use_distributed_optimizer,
-                                         microbatch_group_size_per_vp_stage=template.microbatch_group_size_per_vp_stage,
-                                         shared=self.costs.setdefault(shape, SharedCosts()))
-            except MegapipeError:
-                self.found[key] = None
+            self.found[key] = _searched(self.cluster, self.options, job, group, nodes, pipeline,
+                                        self.costs.setdefault(shape, SharedCosts()))
         return self.found[key]
+
+    def prefetch(self, requests: Sequence[tuple[JobSpec, int, int, int | None]], mapper: Callable = map) -> None:
+        """Run the searches of ``requests`` ((job, group, nodes, fixed pipeline size) each) not yet run, one batch
+        per job shape through ``mapper`` (a process pool's map runs the shapes side by side); each search is
+        the one :meth:`best` runs, so the curves do not depend on how they were run."""
+        batches: dict[tuple, dict[tuple, tuple]] = {}
+        for job, group, nodes, pipeline in requests:
+            shape, key = _keys(job, group, nodes, pipeline)
+            if key not in self.found:
+                batches.setdefault(shape, {})[key] = (job, group, nodes, pipeline)
+        ordered = sorted(batches.values(), key=len, reverse=True)  # the longest first: the pool ends together
+        for found in mapper(_search_batch, [(self.cluster, self.options, tuple(batch.items())) for batch in ordered]):
+            for key, result in found:
+                self.searches += 1
+                self.found[key] = result
+
+
+def _keys(job: JobSpec, group: int, nodes: int, pipeline: int | None) -> tuple[tuple, tuple]:
+    """(job shape, curve point): what a search's answer depends on."""
+    shape = (job.model, job.train, job.max_micro_batch_size, job.template, job.fixed, group)
+    return shape, (*shape, nodes, pipeline)
+
+
+def _search_batch(batch) -> list[tuple[tuple, SearchResult | None]]:
+    """The searches of one job shape, sharing its unit costs (a module-level function: a pool pickles it)."""
+    cluster, options, items = batch
+    shared = SharedCosts()
+    return [(key, _searched(cluster, options, job, group, nodes, pipeline, shared))
+            for key, (job, group, nodes, pipeline) in items]
+
+
+def _searched(cluster: ClusterSpec, options: SearchOptions, job: JobSpec, group: int, nodes: int,
+              pipeline: int | None, shared: SharedCosts) -> SearchResult | None:
+    """The planner's search for one curve point, its plans without simulations; None where nothing fits."""
+    if job.max_micro_batch_size is not None:
+        sizes = tuple(size for size in options.micro_batch_sizes if size <= job.max_micro_batch_size)
+        options = dataclasses.replace(options, micro_batch_sizes=sizes or (job.max_micro_batch_size,))
+    fixed = dict(job.fixed)
+    if pipeline is not None:
+        fixed["pipeline_model_parallel_size"] = pipeline
+    template = job.template
+    try:
+        result = search(model=job.model, cluster=sub_cluster(cluster, group, nodes), train=job.train, fixed=fixed,
+                        options=options, template=template, use_distributed_optimizer=template.use_distributed_optimizer,
+                        microbatch_group_size_per_vp_stage=template.microbatch_group_size_per_vp_stage, shared=shared)
+    except MegapipeError:
+        return None
+
+    def lean(plan: Plan | None) -> Plan | None:
+        return None if plan is None else dataclasses.replace(plan, simulation=None)
+
+    return dataclasses.replace(result, plans=tuple(lean(plan) for plan in result.plans), chosen=lean(result.chosen),
+                               baseline=lean(result.baseline), reference=lean(result.reference))
+
+
+def curve_requests(job: JobSpec, cluster: ClusterSpec, *, node_counts: Sequence[int] | None = None,
+                   capacities: Sequence[int] | None = None, pipeline: int | None = None
+                   ) -> tuple[tuple[JobSpec, int, int, int | None], ...]:
+    """The curve points :func:`job_options` reads: (job, group, nodes, pipeline) for each group the job may run
+    on and each node count up to its capacity."""
+    capacities = tuple(group.num_nodes for group in cluster.node_groups) if capacities is None else tuple(capacities)
+    out = []
+    for group in job_groups(job, cluster):
+        counts = default_node_counts(cluster.node_groups[group].num_nodes) if node_counts is None else node_counts
+        out.extend((job, group, nodes, pipeline) for nodes in sorted({count for count in counts
+                                                                       if count <= capacities[group]}))
+    return tuple(out)
 
 
 def job_groups(job: JobSpec, cluster: ClusterSpec) -> tuple[int, ...]:
@@ -106,18 +162,14 @@ def job_groups(job: JobSpec, cluster: ClusterSpec) -> tuple[int, ...]:
 def job_options(job: JobSpec, cache: CurveCache, *, node_counts: Sequence[int] | None = None,
                 capacities: Sequence[int] | None = None, pipeline: int | None = None) -> tuple[Option, ...]:
     """Every (group, node count) on which the job has a plan, with that plan's throughput."""
-    cluster = cache.cluster
-    capacities = tuple(group.num_nodes for group in cluster.node_groups) if capacities is None else tuple(capacities)
     flops_per_token = model_flops_per_token(job.model, job.train.seq_length)
     out = []
-    for group in job_groups(job, cluster):
-        limit = capacities[group]
-        counts = default_node_counts(cluster.node_groups[group].num_nodes) if node_counts is None else node_counts
-        for nodes in sorted({count for count in counts if count <= limit}):
-            result = cache.best(job, group, nodes, pipeline)
-            if result is None or not result.best.feasible:
-                continue
-            plan = result.best
-            out.append(Option(group=group, nodes=nodes, tokens_per_s=plan.tokens_per_s,
-                              flops_per_s=plan.tokens_per_s * flops_per_token, plan=plan, result=result))
+    for _, group, nodes, _ in curve_requests(job, cache.cluster, node_counts=node_counts, capacities=capacities,
+                                             pipeline=pipeline):
+        result = cache.best(job, group, nodes, pipeline)
+        if result is None or not result.best.feasible:
+            continue
+        plan = result.best
+        out.append(Option(group=group, nodes=nodes, tokens_per_s=plan.tokens_per_s,
+                          flops_per_s=plan.tokens_per_s * flops_per_token, plan=plan, result=result))
     return tuple(out)

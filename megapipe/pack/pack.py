@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megapipe.errors import ConfigError, InfeasibleError
-from megapipe.pack.curves import CURVE_OPTIONS, CurveCache, Option, job_groups, job_options
+from megapipe.pack.curves import CURVE_OPTIONS, CurveCache, Option, curve_requests, job_groups, job_options
 from megapipe.pack.solve import solve_milp
 from megapipe.pack.timeline import Segment, run_timeline
 from megapipe.records import ClusterSpec, JobSpec
@@ -259,6 +259,12 @@ def gain(packed: Policy, baseline: Policy, objective: str) -> float | None:
     return ours / theirs - 1 if theirs else math.inf
 
 
+def _requests(points: Sequence[tuple[JobSpec, int | None]], cluster: ClusterSpec, options: PackOptions) -> list:
+    """The curve points of each (job, fixed pipeline size or None), on every node count pack tries."""
+    return [request for job, size in points
+            for request in curve_requests(job, cluster, node_counts=options.node_counts, pipeline=size)]
+
+
 def _capacities_after_failure(cluster: ClusterSpec, options: PackOptions) -> tuple[int, ...]:
     capacities = [group.num_nodes for group in cluster.node_groups]
     if options.fail_group is not None:
@@ -278,13 +284,16 @@ def _capacities_after_failure(cluster: ClusterSpec, options: PackOptions) -> tup
 
 
 def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOptions, *,
-              baselines: bool = True, search: SearchOptions = CURVE_OPTIONS) -> PackResult:
+              baselines: bool = True, search: SearchOptions = CURVE_OPTIONS, mapper: Callable = map) -> PackResult:
     """Pack the jobs present now (not ``arrives_later``); then the baselines, then the what-if. ``search``: the
-    planner's options every job's searches use (``search.*``; each curve point keeps its best plan)."""
+    planner's options every job's searches use (``search.*``; each curve point keeps its best plan). ``mapper``
+    runs the curves' searches, a batch per job shape (a process pool's map uses every core; the answer is the
+    same)."""
     started = time.perf_counter()
     cache = CurveCache(cluster=cluster, options=dataclasses.replace(search, top_k=1))
     capacities = tuple(group.num_nodes for group in cluster.node_groups)
     present = tuple(job for job in jobs if not job.arrives_later)
+    cache.prefetch(_requests([(job, None) for job in present], cluster, options), mapper)
     curves = [job_options(job, cache, node_counts=options.node_counts) for job in present]
     packing = solve_milp(present, curves, capacities, objective=options.objective)
     peak = peak_flops(cluster)
@@ -298,6 +307,9 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
     alternative = _for_deadlines(present, curves, capacities, peak, restart_h) if (
         baselines and missed and options.objective != "deadlines") else None
     found: list[Policy] = []
+    arriving = [(job, None) for job in jobs if job.arrives_later and options.arrive]
+    sizes = options.baseline_pipeline_sizes if baselines else ()
+    cache.prefetch(_requests([(job, size) for job in present for size in sizes] + arriving, cluster, options), mapper)
     if baselines:
         fixed = _fixed_depth(present, cache, options, capacities, peak)
         if fixed is not None:
