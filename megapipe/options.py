@@ -55,8 +55,13 @@ class SearchOptions:
     what_if_schedules: bool = False
     """Also search the schedules megatron-core cannot run; by default only 1f1b and interleaved_1f1b (and any
     schedule the user pins) are searched."""
-    context_parallel_min_seq_length: int = 16384
-    """Context parallelism is searched only from this sequence length up (ring attention pays off)."""
+    context_parallel_min_seq_length: int = 8192
+    """Context parallelism is searched only from this sequence length up: arXiv 2603.07685 (the Megatron Core MoE
+    report), Guideline 5, 'when to use: sequence length >= 8K tokens'; NeMo's tuned Llama 3 8B and 70B run CP 2 at
+    8,192."""
+    context_parallel_min_local_seq_length: int = 4096
+    """...and only sizes that leave each context-parallel rank this many tokens (the same guideline: 'for sequences
+    < 4K tokens, CP overhead typically exceeds benefits')."""
     total_tokens: float = 2.0e12
     """Tokens of the whole training run, for the total cost."""
     reference: Reference | None = None

@@ -205,7 +205,8 @@ def _cp_values(train_seq: int, fixed: Mapping, options: SearchOptions) -> tuple[
         return (int(fixed["context_parallel_size"]),)
     if train_seq < options.context_parallel_min_seq_length:
         return (1,)
-    return (1, 2, 4, 8)
+    local = options.context_parallel_min_local_seq_length
+    return tuple(cp for cp in (1, 2, 4, 8) if cp == 1 or train_seq // cp >= local)
 
 
 def enumerate_candidates(
