@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from megapipe.commands import COMMANDS
+from megapipe.commands import COMMANDS, DRAWING
 from megapipe.errors import MegapipeError
 
 __all__ = ["main"]
@@ -187,7 +187,23 @@ def _precheck_sweep(command: str, module, overrides: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The console script (``argv`` None: the command line, with pictures drawn in a second process while the
+    command computes) or an in-process call with ``argv``."""
+    from megapipe.commands import painter
+
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] in DRAWING and not _asks_for_help(sys.argv[2:]):
+        painter.start()
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        painter.stop()
+
+
+def _asks_for_help(rest: Sequence[str]) -> bool:
+    return any(arg in ("-h", "--help") for arg in rest)
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
@@ -203,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.name and exc.name.startswith("megapipe"):
             return _fail(command, f"the {command!r} command is not available in this build")
         return _fail(command, f"{command!r} needs {exc.name!r}; install it (e.g. pip install 'megapipe[megatron]')")
-    if any(arg in ("-h", "--help") for arg in rest):
+    if _asks_for_help(rest):
         print(_help(command, module))
         return 0
     try:
@@ -303,6 +319,8 @@ def _run_once(command: str, module, cfg, prepared, overrides: list[str]) -> None
     beside what it wrote; a failed run, or one that wrote nothing, leaves none of the directories it made."""
     from hydra.core.hydra_config import HydraConfig
 
+    from megapipe.commands import painter
+
     HydraConfig.instance().set_config(cfg)
     directory, made = _make_run_dir(cfg)
     handler = logging.FileHandler(os.path.join(directory, f"{command}.log"), encoding="utf-8", delay=True)
@@ -311,6 +329,7 @@ def _run_once(command: str, module, cfg, prepared, overrides: list[str]) -> None
     failed = True
     try:
         module.run(prepared, directory=directory)
+        painter.finish()
         failed = False
     finally:
         logging.getLogger().removeHandler(handler)

@@ -6,3 +6,6 @@ for bad input; ``megapipe.cli`` turns that into one line on stderr and exit code
 """
 
 COMMANDS = ("plan", "partition", "simulate", "report", "profile", "calibrate", "replan", "validate", "pack")
+
+DRAWING = ("plan", "simulate", "report", "pack")
+"""The commands that draw pictures (:mod:`megapipe.commands.painter` starts before their imports)."""

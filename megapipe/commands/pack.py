@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from megapipe.commands import painter
 from megapipe.commands.common import console, print_json, process_map, warn
 from megapipe.config import Scenario, recorded_inputs, to_scenario
 from megapipe.config.jobs import jobs_of, pack_options, with_jobs_nodes
@@ -126,12 +127,13 @@ def _pictures(result, cluster, directory: str) -> list[str]:
         panels.append((result.what_if.name + f" ({result.moves} moved)",
                        node_owners(result.capacities, place(result.what_if_jobs, result.what_if.options),
                                    failed=[a - b for a, b in zip(result.capacities, result.what_if_capacities)])))
-    written = [cluster_map(panels, groups, os.path.join(directory, "cluster.png"), colours=colours)]
+    written = [os.path.join(directory, "cluster.png")]
+    painter.draw(cluster_map, panels, groups, written[0], colours=colours)
     timelines = [policy for policy in (packed, result.alternative) if policy is not None and policy.segments]
     if timelines:
-        written.append(timeline_chart([(policy.name, policy.aim, policy.segments) for policy in timelines],
-                                      result.jobs, result.capacities, groups, os.path.join(directory, "timeline.png"),
-                                      colours=colours))
+        written.append(os.path.join(directory, "timeline.png"))
+        painter.draw(timeline_chart, [(policy.name, policy.aim, policy.segments) for policy in timelines],
+                     result.jobs, result.capacities, groups, written[-1], colours=colours)
     return written
 
 

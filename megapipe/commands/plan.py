@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from megapipe.commands import painter
 from megapipe.commands.common import console, matched_profile, print_json
 from megapipe.config import Scenario, recorded_inputs, to_scenario
 from megapipe.config.options import output_options, search_options
@@ -96,18 +97,18 @@ def _picture_files(directory: str, result: SearchResult) -> tuple[str, ...]:
 
 
 def _pictures(directory: str, result: SearchResult, *, model_name: str, cluster) -> None:
+    """Hand the memory chart and the Gantt chart to the painter (:mod:`megapipe.commands.painter`)."""
+    from megapipe.report.gantt import gantt_png
     from megapipe.report.plots import memory_chart
 
     best = result.best
     gpus = gpus_by_name(cluster, best.stage_gpus) if best.stage_gpus else (cluster.gpu,) * len(best.stages)
     usable = [gpu.usable_memory_bytes / GIB for gpu in gpus]
-    memory_chart(best, os.path.join(directory, MEMORY_FILE), baseline=result.baseline,
+    painter.draw(memory_chart, best, os.path.join(directory, MEMORY_FILE), baseline=result.baseline,
                  usable_gib=usable[0] if len(set(usable)) == 1 else usable)
     if best.simulation is not None:
-        from megapipe.report.gantt import gantt_png
-
         par, sim = best.parallel, best.simulation
-        gantt_png(sim, os.path.join(directory, GANTT_FILE), title=(
+        painter.draw(gantt_png, sim, os.path.join(directory, GANTT_FILE), title=(
             f"{model_name}, {best.schedule} TP{par.tensor_model_parallel_size} PP{par.pipeline_model_parallel_size} "
             f"VP{par.virtual_pipeline_model_parallel_size}, {best.num_microbatches} microbatches: pipeline "
             f"{sim.step_time_ms:,.0f} ms, bubble {sim.bubble_fraction:.1%}; layout {best.layout}"))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from megapipe.commands import painter
 from megapipe.commands.common import console, print_json
 from megapipe.options import OutputOptions
 from megapipe.config.options import output_options
@@ -50,7 +51,7 @@ def run(inputs: ReportInputs, *, directory: str) -> None:
     if picture:  # drawn after the answer is printed
         from megapipe.report.plots import sweep_chart
 
-        sweep_chart(rows, picture)
+        painter.draw(sweep_chart, rows, picture)
 
 
 def _print_table(rows: list[dict], failed: list[dict], paths: list[str]) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from megapipe.commands import painter
 from megapipe.commands.common import console, pipeline_p2p, print_json, scenario_profile, stage_specs_of, stage_times
 from megapipe.config import Scenario, stage_times_of, to_scenario
 from megapipe.config.options import output_options
@@ -156,8 +157,9 @@ def _write_pictures(result: SimResult, directory: str) -> list[str]:
 
     os.makedirs(directory, exist_ok=True)
     name = result.schedule.name
-    return [gantt_png(result, os.path.join(directory, f"{name}_gantt.png")),
-            write_trace(result, os.path.join(directory, f"{name}_trace.json"))]
+    gantt = os.path.join(directory, f"{name}_gantt.png")
+    painter.draw(gantt_png, result, gantt)
+    return [gantt, write_trace(result, os.path.join(directory, f"{name}_trace.json"))]
 
 
 def _title(job: SimulateInputs, rows: dict) -> str:
