@@ -13,7 +13,7 @@ It adds only a tokenizer (``--tokenizer-type NullTokenizer`` with the plan's voc
 (``--mock-data``), iterations (``--train-iters 10 --eval-interval 10``) and a learning rate, plus
 ``--no-rope-fusion`` when Transformer Engine is absent (Megatron refuses RoPE fusion without it;
 the flag picks a kernel, not the model). It exports the plan's environment (``megatron_env``:
-CUDA_DEVICE_MAX_CONNECTIONS) and WORLD_SIZE / RANK for the plan's GPU count. In-process shims, printed:
+CUDA_DEVICE_MAX_CONNECTIONS, NVTE_CPU_OFFLOAD_V1, ...) and WORLD_SIZE / RANK for the plan's GPU count. In-process shims, printed:
 without Transformer Engine here, Megatron's TE version checks see ``--te-version`` (default 2.12.0, the most
 megapipe's plans state their features need) and moe_utils gets placeholders for TE's fused MoE kernels;
 ``get_device_arch_version`` returns the plan's GPU generation (it asks CUDA otherwise), and on
@@ -252,7 +252,7 @@ ARGS_FIELDS = [
 
 def run(checkout: str, tokens: list[str], *, vocab_size: int, world_size: int | None, dp: int,
         device_arch: int, max_connections: str, extra: list[str], add: bool = True,
-        te_version: str = "2.12.0") -> dict:
+        te_version: str = "2.12.0", env: dict | None = None) -> dict:
     checkout = os.path.abspath(checkout)
     tp = int(flag_value(tokens, "--tensor-model-parallel-size", 1))
     pp = int(flag_value(tokens, "--pipeline-model-parallel-size", 1))
@@ -265,6 +265,9 @@ def run(checkout: str, tokens: list[str], *, vocab_size: int, world_size: int | 
         os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     else:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = max_connections
+    for name, value in (env or {}).items():  # the rest of the plan's environment (NVTE_CPU_OFFLOAD_V1, ...)
+        if name != "CUDA_DEVICE_MAX_CONNECTIONS":
+            os.environ[name] = str(value)
 
     report: dict = {"checkout": checkout, "world_size": world, "device_arch": device_arch,
                     "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
@@ -477,7 +480,7 @@ def check_plan_dir(checkout: str, plan_dir: str, te_version: str = "2.12.0") -> 
     report = run(checkout, tokens, vocab_size=plan["model"]["vocab_size"], world_size=plan["cluster"]["num_gpus"],
                  dp=best["parallel"]["data_parallel_size"], device_arch=arch,
                  max_connections=emitted.get("megatron_env", {}).get("CUDA_DEVICE_MAX_CONNECTIONS", "unset"),
-                 extra=[], te_version=te_version)
+                 extra=[], te_version=te_version, env=emitted.get("megatron_env", {}))
     print(f"== {plan_dir}  ({report.get('megatron_core_version')} at {checkout}; {report.get('path')})")
     print(f"   env CUDA_DEVICE_MAX_CONNECTIONS={report['CUDA_DEVICE_MAX_CONNECTIONS']}, device arch {arch}, "
           f"WORLD_SIZE={report['world_size']}; added: {' '.join(report.get('added_tokens', []))}")
