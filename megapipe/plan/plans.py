@@ -25,12 +25,13 @@ class Candidate:
     def num_microbatches(self) -> int:
         return self.train.num_microbatches(self.parallel.data_parallel_size)
 
-    @property
-    def layer_key(self) -> tuple:
-        """What per-layer costs depend on (not pp, vp, dp or the schedule; the expert data-parallel size
-        follows from TP, CP, DP, EP and ETP)."""
+    layer_key: tuple = field(init=False, repr=False, compare=False)
+    """What per-layer costs depend on (not pp, vp, dp or the schedule; the expert data-parallel size follows from
+    TP, CP, DP, EP and ETP); set once here, since every cache of the search looks it up."""
+
+    def __post_init__(self) -> None:
         par, train = self.parallel, self.train
-        return (
+        object.__setattr__(self, "layer_key", (
             par.tensor_model_parallel_size,
             par.sequence_parallel,
             par.context_parallel_size,
@@ -46,7 +47,7 @@ class Candidate:
             par.features,
             train.moe_load_imbalance,
             _memory_settings(par, train),
-        )
+        ))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
