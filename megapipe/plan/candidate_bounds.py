@@ -70,7 +70,7 @@ class CandidateBounds:
         self._memory_bounds: dict[tuple, float] = {}
         self._busiest: dict[tuple, float] = {}
         self._dp_terms: dict[tuple, tuple[float, float]] = {}
-        self._layouts: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._layouts: dict[tuple, tuple[int, ...]] = {}
         self._kinds: dict[tuple, tuple] = {}
 
     def totals(self, cand: Candidate) -> _Totals:
@@ -251,10 +251,12 @@ class CandidateBounds:
         shape = self._shapes[key]
         if shape is None or self.options.ignore_memory_limit:
             return True
-        in_flight, ranks = self._layout_counts(cand)
+        ranks = self._layout_ranks(cand)
         specs = self.costs.stage_specs(cand, gpus, layers_of=self.costs.bound_layers)
         pp = cand.parallel.pipeline_model_parallel_size
         if len(ranks) == pp:
+            in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
+                                         num_microbatches=cand.num_microbatches)
             return split_can_fit(shape=shape, caps=[specs[rank].memory_bytes for rank in ranks], in_flight=in_flight)
         # Ranks hold several chunks: their coupled memory, decided for all ranks at once (the solver settles the
         # rounding cases exactly).
@@ -265,18 +267,14 @@ class CandidateBounds:
             microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
         return uniform_may_fit(shape=shape, stages=specs, ranks=ranks, profiles=profiles)
 
-    def _layout_counts(self, cand: Candidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Peak in-flight microbatches and pipeline rank of every layout stage."""
+    def _layout_ranks(self, cand: Candidate) -> tuple[int, ...]:
+        """The pipeline rank of every layout stage."""
         par = cand.parallel
-        pp, vp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-        key = (cand.schedule, pp, vp, cand.num_microbatches, par.microbatch_group_size_per_vp_stage)
+        key = (cand.schedule, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size)
         found = self._layouts.get(key)
         if found is None:
-            in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
-                                         num_microbatches=key[3], virtual_pipeline_model_parallel_size=vp,
-                                         microbatch_group_size_per_vp_stage=key[4])
-            ranks = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
-            found = self._layouts[key] = (in_flight, ranks)
+            found = self._layouts[key] = stage_ranks(schedule=cand.schedule, pipeline_model_parallel_size=key[1],
+                                                     num_stages=key[1] * key[2])
         return found
 
     # -- per-stage recompute: bounds valid for every per-rank choice ----------------------
