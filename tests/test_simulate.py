@@ -407,3 +407,31 @@ def test_gantt_blends_ops_thinner_than_a_pixel():
     assert any("mixes the colours" in text.get_text() for legend in figure.legends for text in legend.get_texts())
     few = gantt_figure(simulate(_build("1f1b", 4, 6), StageTimes.uniform(4, fwd_ms=1.0, input_grad_ms=2.0)))
     assert not any(isinstance(child, AxesImage) for child in few.axes[0].get_children())
+
+
+def test_closed_form_lowering_equals_the_checked_one():
+    """1F1B and interleaved 1F1B orders from the builder's closed form lower to the same program, field by field,
+    as checking every action does."""
+    import dataclasses
+
+    from megapipe.schedules import registry
+    from megapipe.simulate import program
+
+    compared = 0
+    for name in ("1f1b", "interleaved_1f1b"):
+        for pp in (1, 2, 3, 4, 8):
+            for v in (1, 2, 3, 5):
+                for m in sorted({pp, 2 * pp, 3 * pp, 16, 24}):
+                    try:
+                        schedule = registry.build(name, pipeline_model_parallel_size=pp, num_microbatches=m,
+                                                  virtual_pipeline_model_parallel_size=v)
+                    except ScheduleError:
+                        continue
+                    assert schedule.rank_ops is not None
+                    fast, checked = program._lower_closed_form(schedule), program._lower_checked(schedule)
+                    for field in dataclasses.fields(program.Program):
+                        ours, theirs = getattr(fast, field.name), getattr(checked, field.name)
+                        assert [list(x) if isinstance(x, (list, tuple)) else x for x in ours] == \
+                            [list(x) if isinstance(x, (list, tuple)) else x for x in theirs], field.name
+                    compared += 1
+    assert compared > 50

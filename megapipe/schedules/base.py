@@ -96,6 +96,9 @@ class Schedule:
     microbatch_group_size_per_vp_stage: int | None
     stage_to_rank: tuple[int, ...]
     orders: tuple[tuple[Action, ...], ...]
+    rank_ops: tuple[RankOps, ...] | None = field(default=None, repr=False, compare=False)
+    """``orders`` as plain tuples when the builder has them in closed form (tested equal to the actions): the
+    simulator then lowers them with array operations, without checking every action."""
     lowered: object = field(default=None, init=False, repr=False, compare=False)
     """The simulator's validated flat form of ``orders``, memoised on first use."""
 

@@ -135,10 +135,14 @@ def build(
     if item.fixed_chunks is None:
         group = pp if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
     orders = item.orders(pp, m, v, group)
+    closed = item.rank_ops is not None and _closed_form_applies(item, pp, m, v, group)
     return Schedule(
         name=item.name, pipeline_model_parallel_size=pp, num_microbatches=m,
         virtual_pipeline_model_parallel_size=v, microbatch_group_size_per_vp_stage=group,
         stage_to_rank=item.stage_to_rank(pipeline_model_parallel_size=pp, num_stages=pp * v), orders=orders,
+        rank_ops=rank_ops(name, pipeline_model_parallel_size=pp, num_microbatches=m,
+                          virtual_pipeline_model_parallel_size=v, microbatch_group_size_per_vp_stage=group)
+        if closed else None,
     )
 
 

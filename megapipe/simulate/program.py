@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from megapipe.errors import ScheduleError
 from megapipe.schedules.base import KIND_CODE, Action, Kind, Schedule
 
@@ -153,9 +155,16 @@ def _execution_order(schedule: Schedule, rank_ops, rank_deps) -> list[tuple[int,
 
 
 def lower(schedule: Schedule) -> Program:
-    """Validate ``schedule`` and lower it; memoised on the schedule record."""
+    """Validate ``schedule`` and lower it; memoised on the schedule record. A builder's closed-form orders
+    (``schedule.rank_ops``) are lowered with array operations and not checked action by action."""
     if isinstance(schedule.lowered, Program):
         return schedule.lowered
+    program = _lower_closed_form(schedule) if schedule.rank_ops is not None else _lower_checked(schedule)
+    object.__setattr__(schedule, "lowered", program)
+    return program
+
+
+def _lower_checked(schedule: Schedule) -> Program:
     stages = schedule.num_stages
     kind_at: list = [None] * (3 * stages * schedule.num_microbatches)
     stage_now, stage_peak, index_of = [0] * stages, [0] * stages, [0] * len(kind_at)
@@ -174,5 +183,37 @@ def lower(schedule: Schedule) -> Program:
         rank_peak=tuple(peaks), act_deltas=changes, index_of=index_of, flat=flat,
         code_counts=tuple(tuple(sorted(Counter(rank_codes).items())) for rank_codes in codes),
     )
-    object.__setattr__(schedule, "lowered", program)
     return program
+
+
+def _lower_closed_form(schedule: Schedule) -> Program:
+    """:func:`_lower_checked`'s program from the builder's plain tuples: the same op ids, codes, dependencies,
+    delays, activation changes and peaks, computed per rank on arrays."""
+    m, last = schedule.num_microbatches, schedule.num_stages - 1
+    index_of = np.zeros(3 * schedule.num_stages * m, dtype=np.int64)
+    stage_peak = [0] * schedule.num_stages
+    per_rank = []
+    for ops in schedule.rank_ops:
+        kinds, stages = np.asarray(ops.kinds), np.asarray(ops.stages)
+        base = (stages * m + np.asarray(ops.microbatches)) * 3
+        forward, weight_grad = kinds == KIND_CODE[Kind.F], kinds == KIND_CODE[Kind.W]
+        op = base + np.where(forward, 0, np.where(weight_grad, 2, 1))
+        deps = np.where(forward, np.where(stages > 0, base - 3 * m, -1),
+                        np.where(weight_grad | (stages == last), -1, base + 3 * m + 1))
+        changes = np.where(forward, 1, np.where(kinds == KIND_CODE[Kind.I], 0, -1))
+        index_of[op] = np.arange(len(op))
+        held = np.cumsum(changes)
+        for stage in np.unique(stages).tolist():
+            stage_peak[stage] = max(stage_peak[stage], int(np.cumsum(np.where(stages == stage, changes, 0)).max()))
+        codes = stages * 4 + kinds
+        found, counts = np.unique(codes, return_counts=True)
+        per_rank.append((op.tolist(), codes.tolist(), deps.tolist(), (stages * 2 + ~forward).tolist(),
+                         tuple(changes.tolist()), max(0, int(held.max(initial=0))),
+                         tuple(zip(found.tolist(), counts.tolist()))))
+    ops, codes, deps, delays, changes, peaks, code_counts = zip(*per_rank)
+    order = _execution_order(schedule, ops, deps)
+    flat = tuple([table[r][i] for r, i in order] for table in (ops, [[r] * len(o) for r, o in enumerate(ops)],
+                                                               deps, codes, delays))
+    return Program(rank_ops=ops, time_codes=codes, deps=deps, delay_codes=delays, stage_peak=tuple(stage_peak),
+                   rank_peak=tuple(peaks), act_deltas=changes, index_of=index_of.tolist(), flat=flat,
+                   code_counts=code_counts)
