@@ -6,8 +6,8 @@
    every stated setting fixed, with the *uncalibrated* runtime: the choice never sees a
    measurement, so a leave-one-out error stays honest. A virtual pipeline size is kept only if it
    splits the layers evenly, as Megatron's default split needs. When nothing fits in memory (the run
-   did fit, with means megapipe does not model), the choice is made without the memory check and
-   the run is marked as not fitting.
+   did fit, with means megapipe does not model), the choice is the one closest to fitting, and the run
+   is marked as not fitting.
 3. :func:`predict` evaluates the resolved run as it ran: Megatron's equal split of the decoder
    layers, 1F1B or interleaved 1F1B, without a memory check; whether it fits is reported apart.
 """
@@ -126,7 +126,9 @@ def _ranked(run: PublishedRun, cluster: ClusterSpec, *, ignore_memory: bool) -> 
                         use_distributed_optimizer=run.parallel.use_distributed_optimizer, template=run.parallel)
     except MegapipeError:
         return []
-    plans = sorted(result.plans, key=lambda plan: plan.step_time_s) if ignore_memory else list(result.plans)
+    # Nothing fits: the run did, so the settings closest to fitting are the likeliest (then the fastest of them).
+    plans = sorted(result.plans, key=lambda plan: (plan.memory_over_gib, plan.step_time_s)) if ignore_memory \
+        else list(result.plans)
     even = [plan for plan in plans if layers % (pp * plan.parallel.virtual_pipeline_model_parallel_size) == 0]
     return even or plans
 
