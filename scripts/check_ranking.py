@@ -32,8 +32,8 @@ TUNED_SETS = ("megatron_lm_readme_h100", "nemo_24_07_fp8_h100", "nemo_25_04_fp8_
 
 def _shape(parallel, train, schedule: str) -> str:
     return (f"{parallel.tensor_model_parallel_size}/{parallel.pipeline_model_parallel_size}/"
-            f"{parallel.virtual_pipeline_model_parallel_size}/{parallel.context_parallel_size}/"
-            f"{parallel.data_parallel_size} mbs {train.micro_batch_size} {train.recompute_granularity.value}"
+            f"{parallel.data_parallel_size}/{parallel.context_parallel_size}/"
+            f"{parallel.virtual_pipeline_model_parallel_size} mbs {train.micro_batch_size} {train.recompute_granularity.value}"
             + (" (what-if)" if schedule not in ("1f1b", "interleaved_1f1b") else ""))
 
 
@@ -77,7 +77,7 @@ def main() -> int:
         except MegapipeError as exc:
             best, gain, best_text = None, None, f"no plan: {exc}"
         rows.append((run, resolved, tuned, best, gain, best_text))
-    print("| run | tuned TP/PP/VP/CP/DP | fits megapipe's memory | tuned tok/s/GPU | megapipe's best | "
+    print("| run | tuned TP/PP/DP/CP/VP | fits megapipe's memory | tuned tok/s/GPU | megapipe's best | "
           "best tok/s/GPU | best over tuned | why the tuned run is outside the search |")
     print("|---|---|---|---|---|---|---|---|")
     for run, resolved, tuned, best, gain, best_text in rows:
