@@ -11,38 +11,24 @@ Per unit and microbatch on one GPU of its stage, each time is the sum of its par
 - **memory_bound**: norms, RoPE, residual adds, activation, embedding lookup, cross-entropy
   (:mod:`megapipe.cost.traffic`) at the achieved HBM bandwidth, plus a fixed cost per kernel;
 - **fp8_cast**: Transformer Engine's quantize(-transpose) kernels under FP8;
-- **tp_comm**: the *exposed* part of the tensor-parallel collectives, see below;
-- **cp_comm**: the exposed part of context parallelism's ring exchange of K and V, see below;
+- **tp_comm**: the *exposed* part of the tensor-parallel collectives (:mod:`megapipe.cost.linear`);
+- **cp_comm**: the exposed part of context parallelism's ring exchange of K and V (:mod:`megapipe.cost.decoder`);
 - **recompute**: the forward run again in the backward, all of it under full recompute, the
   attention core under selective (Korthikanti et al. 2022, Sec. 5).
 
-Tensor-parallel collectives (Shoeybi et al. 2019; Korthikanti et al. 2022 Sec. 4.2.2): per linear
-layer, an all-gather of the input before a column-parallel GEMM and a reduce-scatter after a
-row-parallel one under sequence parallelism, an all-reduce after the row-parallel one otherwise;
-the backward mirrors them. What Megatron hides without ``--tp-comm-overlap``: a column-parallel
-layer's backward all-gathers its input again under the dgrad GEMM and reduces its input gradient
-under the wgrad GEMM (megatron-core ``LinearWithGradAccumulationAndAsyncCommunication``, and the
-same in Transformer Engine's layers), so only the excess shows; the forward collectives and the
-row-parallel layer's backward all-gather are exposed. With ``--tp-comm-overlap`` (Transformer
-Engine userbuffers; Wang et al. 2022, "Overlap Communication with Dependent Computation") every
-collective is split into ``t`` chunks pipelined with its GEMM: the first chunk and any excess over
-the GEMM are exposed.
-
-Context parallelism (Megatron's p2p ring, Liu et al. 2023 "Ring Attention"): in each of the
-``cp - 1`` steps a GPU sends its K, V block on while it computes attention on the one it holds
-(twice the bytes in the backward, K, V and their gradients), so a step exposes what its transfer
-takes beyond its 1/cp share of the attention kernel.
+The linear layers and their tensor-parallel collectives are :mod:`megapipe.cost.linear`'s, a decoder
+layer's time :mod:`megapipe.cost.decoder`'s (attention, MLP, context parallelism's ring, recompute).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+from dataclasses import dataclass
 
-from megapipe.cost.comm import Collective, collective_ms, p2p_link, p2p_ms, tensor_parallel_link
-from megapipe.cost.flops import Gemm, attention_gemms, eh_proj_gemm, mlp_gemms, output_gemms
-from megapipe.cost.host import captured_scopes, exposed_host_ms, syncs_per_forward, unit_kernels
-from megapipe.cost.kernels import attention_ms, gemm_ms, grouped_gemm_ms, memory_ms
-from megapipe.cost.moe import moe_timing, padding_rows
+from megapipe.cost.comm import Collective, p2p_link, tensor_parallel_link
+from megapipe.cost.decoder import decoder_timing
+from megapipe.cost.flops import eh_proj_gemm, output_gemms
+from megapipe.cost.linear import linear_timing, memory_timing, tp_ms
 from megapipe.cost.memory import (
     decoder_activation_bytes,
     embedding_activation_bytes,
@@ -59,16 +45,7 @@ from megapipe.cost.params import (
 )
 from megapipe.cost.shapes import Shapes, shapes_of
 from megapipe.cost.timing import Device, Timing, part
-from megapipe.cost.traffic import (
-    recompute_traffic_bytes,
-    attention_core_traffic_bytes,
-    decoder_kernels,
-    decoder_traffic_bytes,
-    embedding_traffic_bytes,
-    fp8_cast_kernels,
-    fp8_cast_traffic_bytes,
-    output_traffic_bytes,
-)
+from megapipe.cost.traffic import embedding_traffic_bytes, output_traffic_bytes
 from megapipe.records import (
     ClusterSpec,
     GpuSpec,
@@ -77,218 +54,43 @@ from megapipe.records import (
     ModelSpec,
     ParallelSpec,
     Profile,
-    Recompute,
+    RuntimeFeatures,
     TrainSpec,
 )
 
-__all__ = ["layer_costs", "distinct_units", "unit_runs"]
+__all__ = ["layer_costs", "distinct_units", "unit_runs", "unit_times", "unit_bytes", "unit_cost", "UnitBytes",
+           "BYTES_FEATURES", "bytes_features"]
 
 _CROSS_ENTROPY_ALL_REDUCES = 3
 """Max, target logit and sum of exp, each a [s, b] fp32 all-reduce (Megatron's vocab_parallel_cross_entropy)."""
-
-
-def _gemm(m: float, n: float, k: float, shapes: Shapes, device: Device, dtype: str | None = None,
-          groups: int = 1) -> float:
-    dtype = dtype or shapes.gemm_dtype
-    if groups > 1:
-        return grouped_gemm_ms(m=m, n=n, k=k, groups=groups, dtype=dtype, gpu=device.gpu, runtime=device.runtime,
-                               recipe=shapes.fp8_recipe)
-    return gemm_ms(m=m, n=n, k=k, dtype=dtype, gpu=device.gpu, runtime=device.runtime, recipe=shapes.fp8_recipe)
-
-
-def _tp_ms(kind: Collective, shapes: Shapes, device: Device, num_bytes: float | None = None) -> float:
-    """One collective over the TP group on the full ``[s/cp, b, h]`` hidden state (or ``num_bytes``)."""
-    if num_bytes is None:
-        num_bytes = shapes.element_bytes * shapes.tokens * shapes.hidden_size
-    return collective_ms(kind=kind, num_bytes=num_bytes, group_size=shapes.tensor_model_parallel_size,
-                         link=device.link, efficiency_scale=device.runtime.comm_efficiency_scale)
-
-
-def _exposed(comm_ms: float, under_ms: float, shapes: Shapes, device: Device, *, hidden: bool) -> float:
-    """What a collective shows beside the GEMM ``under_ms`` it may overlap with."""
-    if device.tp_comm_overlap:
-        return max(0.0, comm_ms - under_ms) + min(comm_ms, under_ms) / shapes.tensor_model_parallel_size
-    return max(0.0, comm_ms - under_ms) if hidden else comm_ms
-
-
-def _linear(gemm: Gemm, shapes: Shapes, device: Device, *, dtype: str | None = None) -> Timing:
-    """One linear layer: forward, dgrad and wgrad GEMMs and its exposed TP collectives.
-
-    A grouped GEMM (the routed experts) runs ``groups`` products of the busiest rank's tokens per expert
-    (the stated load imbalance times the mean); the router stays in bf16 under FP8 training.
-    """
-    if not gemm.quantized and (dtype or shapes.gemm_dtype) == "fp8":
-        dtype = "bf16"
-    groups = gemm.groups
-    rows = gemm.tokens * (shapes.moe_load_imbalance if groups > 1 else 1.0) / groups
-    if groups > 1:
-        rows += padding_rows(shapes)
-    fwd = _gemm(rows, gemm.n, gemm.k, shapes, device, dtype, groups)
-    dgrad = _gemm(rows, gemm.k, gemm.n, shapes, device, dtype, groups)
-    wgrad = _gemm(gemm.k, gemm.n, rows, shapes, device, dtype, groups)
-    timing = part("gemm", fwd, dgrad + wgrad, wgrad)
-    if shapes.tensor_model_parallel_size == 1 or not gemm.comm_width:
-        return timing
-    sp = shapes.sequence_parallel
-    size = shapes.element_bytes * gemm.tokens * gemm.comm_width
-    gather = _tp_ms(Collective.all_gather, shapes, device, size) if sp else 0.0
-    reduce = _tp_ms(Collective.reduce_scatter if sp else Collective.all_reduce, shapes, device, size)
-    if gemm.column_parallel:
-        forward = _exposed(gather, fwd, shapes, device, hidden=False)
-        backward = (_exposed(gather, dgrad, shapes, device, hidden=True)
-                    + _exposed(reduce, wgrad, shapes, device, hidden=True))
-    else:
-        forward = _exposed(reduce, fwd, shapes, device, hidden=False)
-        backward = _exposed(gather, dgrad, shapes, device, hidden=False)
-    return timing + part("tp_comm", forward, backward)
-
-
-def _memory(name: str, forward_bytes: float, backward_bytes: float, kernels: tuple[int, int], device: Device) -> Timing:
-    gpu = device.gpu
-    return part(name, memory_ms(num_bytes=forward_bytes, gpu=gpu, kernels=kernels[0]),
-                 memory_ms(num_bytes=backward_bytes, gpu=gpu, kernels=kernels[1]))
-
-
-def _attention_core(shapes: Shapes, device: Device) -> Timing:
-    heads = shapes.micro_batch_size * shapes.num_attention_heads / shapes.tensor_model_parallel_size
-    # Q K^T runs over the query-key width per head, P V over the value width (MLA's differ): their mean.
-    head_dim = (shapes.query_size + shapes.attention_out_size) / (2 * shapes.num_attention_heads)
-    if shapes.unfused_attention:
-        rows, s, d = heads * shapes.local_seq_length, shapes.seq_length, shapes.head_dim
-        scores = _gemm(rows, s, d, shapes, device, "bf16")
-        context = _gemm(rows, d, s, shapes, device, "bf16")
-        traffic = attention_core_traffic_bytes(shapes)
-        return (part("attention", scores + context, 2 * (scores + context))
-                + _memory("attention", traffic, 2 * traffic, (1, 1), device))
-    cp = shapes.context_parallel_size
-    common = dict(batch_heads=heads, q_len=shapes.local_seq_length, kv_len=shapes.seq_length,
-                  head_dim=head_dim, causal=True, gpu=device.gpu, runtime=device.runtime, calls=cp)
-    return part("attention", attention_ms(backward=False, **common), attention_ms(backward=True, **common))
-
-
-def _ring_exchange(shapes: Shapes, core: Timing, device: Device) -> Timing:
-    """Context parallelism's exposed K, V transfers, forward and backward."""
-    cp = shapes.context_parallel_size
-    if cp == 1:
-        return Timing()
-    block = shapes.element_bytes * shapes.tokens * (shapes.kv_size + shapes.value_size) / shapes.tensor_model_parallel_size
-    send = p2p_ms(num_bytes=block, link=device.cp_link, efficiency_scale=device.runtime.comm_efficiency_scale)
-    forward = (cp - 1) * max(0.0, send - core.fwd_ms / cp)
-    backward = (cp - 1) * max(0.0, 2 * send - core.bwd_ms / cp)
-    return part("cp_comm", forward, backward)
-
-
-def _recompute(timing: Timing, pieces: dict[str, float], shapes: Shapes) -> Timing:
-    """The forward the backward runs again: all of it under full recompute; under selective, each of
-    ``recompute_modules`` (``pieces`` holds every module's forward ms): core attention by default
-    (Korthikanti et al. 2022, Sec. 5), the norms, MLA's up-projections, the MoE activation, the dense MLP,
-    the shared experts or the whole MoE layer (megatron-core ``TransformerLayer``'s checkpointed modules)."""
-    if shapes.recompute == Recompute.full:
-        return timing + part("recompute", 0.0, timing.fwd_ms)
-    if shapes.recompute == Recompute.selective:
-        extra = math.fsum(pieces.get(module, 0.0) for module in dict.fromkeys(shapes.features.recompute_modules))
-        return timing + part("recompute", 0.0, extra)
-    return timing
-
-
-def _pieces(shapes: Shapes, device: Device, *, core: Timing, attention_gemms_timed: dict[str, Timing],
-            mlp: dict[str, Timing], moe_extra: Timing, moe: bool) -> dict[str, float]:
-    """Each recompute module's forward ms for this layer."""
-    gpu = device.gpu
-
-    def memory_of(module: str, kernels: int) -> float:
-        num_bytes = recompute_traffic_bytes(shapes, module, moe=moe)
-        return memory_ms(num_bytes=num_bytes, gpu=gpu, kernels=kernels) if num_bytes else 0.0
-
-    def gemms(prefix: str) -> float:
-        return math.fsum(timing.fwd_ms for name, timing in mlp.items() if name.startswith(prefix))
-
-    pieces = {"core_attn": core.fwd_ms, "layernorm": memory_of("layernorm", 2)}
-    if shapes.mla:
-        pieces["mla_up_proj"] = math.fsum(timing.fwd_ms for name, timing in attention_gemms_timed.items()
-                                          if name.endswith("_up_proj"))
-    if moe:
-        pieces["moe_act"] = memory_of("moe_act", 1)
-        pieces["shared_experts"] = gemms("shared_experts.") + memory_of("shared_experts", 1)
-        pieces["moe"] = sum(timing.fwd_ms for timing in mlp.values()) + moe_extra.fwd_ms + memory_of("moe", 2)
-    else:
-        pieces["mlp"] = gemms("linear_fc") + memory_of("mlp", 1)
-    return pieces
-
-
-def _decoder_timing(shapes: Shapes, device: Device, *, moe: bool = False) -> Timing:
-    core = _attention_core(shapes, device)
-    attention = core + _ring_exchange(shapes, core, device)
-    projections = {gemm.name: _linear(gemm, shapes, device) for gemm in attention_gemms(shapes)}
-    attention = attention + _sum(projections.values())
-    mlp = {gemm.name: _linear(gemm, shapes, device) for gemm in mlp_gemms(shapes, moe=moe)}
-    timing = attention + _sum(mlp.values())
-    traffic = decoder_traffic_bytes(shapes, moe=moe)
-    timing = timing + _memory("memory_bound", traffic, 2 * traffic, decoder_kernels(shapes, moe=moe), device)
-    timing = timing + _memory("fp8_cast", *fp8_cast_traffic_bytes(shapes, moe=moe),
-                              fp8_cast_kernels(shapes, moe=moe), device)
-    extra = moe_timing(shapes, device, attention=attention, mlp=mlp) if moe else Timing()
-    timing = timing + extra
-    timing = timing + _host(shapes, device, timing, moe=moe)
-    pieces = _pieces(shapes, device, core=core, attention_gemms_timed=projections, mlp=mlp, moe_extra=extra, moe=moe)
-    return _recompute(timing, pieces, shapes)
-
-
-def _sum(timings) -> Timing:
-    total = Timing()
-    for timing in timings:
-        total = total + timing
-    return total
-
-
-def _host(shapes: Shapes, device: Device, timing: Timing, *, moe: bool) -> Timing:
-    """What the CPU adds: launches beyond the GPU's work, and the MoE layer's token-count sync (:mod:`megapipe.cost.host`)."""
-    runtime, kernels = device.runtime, unit_kernels(shapes, moe=moe)
-    captured = captured_scopes(shapes)
-    per_kernel = runtime.host_kernel(device.cluster.host_cpu)
-    forward = exposed_host_ms(gpu_ms=timing.fwd_ms, launches=kernels.launches(captured, backward=False),
-                              syncs=syncs_per_forward(shapes, moe=moe), host_kernel_us=per_kernel,
-                              host_sync_us=runtime.host_sync_us)
-    backward = exposed_host_ms(gpu_ms=timing.bwd_ms, launches=kernels.launches(captured, backward=True), syncs=0,
-                               host_kernel_us=per_kernel, host_sync_us=runtime.host_sync_us)
-    return part("host", forward, backward)
 
 
 def _embedding_timing(shapes: Shapes, device: Device) -> Timing:
     """Lookup on every vocab shard, then all-reduce (reduce-scatter with SP); all of backward is wgrad."""
     forward_bytes, backward_bytes = embedding_traffic_bytes(shapes)
     if shapes.sequence_parallel:
-        comm = part("tp_comm", _tp_ms(Collective.reduce_scatter, shapes, device),
-                     _tp_ms(Collective.all_gather, shapes, device))
+        comm = part("tp_comm", tp_ms(Collective.reduce_scatter, shapes, device),
+                     tp_ms(Collective.all_gather, shapes, device))
     else:
-        comm = part("tp_comm", _tp_ms(Collective.all_reduce, shapes, device))
-    timing = _memory("memory_bound", forward_bytes, backward_bytes, (2, 2), device) + comm
+        comm = part("tp_comm", tp_ms(Collective.all_reduce, shapes, device))
+    timing = memory_timing("memory_bound", forward_bytes, backward_bytes, (2, 2), device) + comm
     return Timing(timing.fwd_ms, timing.bwd_ms, timing.bwd_ms, timing.parts)
 
 
 def _output_timing(shapes: Shapes, device: Device) -> Timing:
     """Final norm, output GEMM (bf16 under FP8 training too) and vocab-parallel cross-entropy."""
     forward_bytes, backward_bytes = output_traffic_bytes(shapes)
-    timing = _memory("memory_bound", forward_bytes, backward_bytes, (6, 6), device)
+    timing = memory_timing("memory_bound", forward_bytes, backward_bytes, (6, 6), device)
     for gemm in output_gemms(shapes):
-        timing = timing + _linear(gemm, shapes, device, dtype="fp32" if shapes.gemm_dtype == "fp32" else "bf16")
-    loss = _CROSS_ENTROPY_ALL_REDUCES * _tp_ms(Collective.all_reduce, shapes, device, num_bytes=4 * shapes.tokens)
+        timing = timing + linear_timing(gemm, shapes, device, dtype="fp32" if shapes.gemm_dtype == "fp32" else "bf16")
+    loss = _CROSS_ENTROPY_ALL_REDUCES * tp_ms(Collective.all_reduce, shapes, device, num_bytes=4 * shapes.tokens)
     return timing + part("tp_comm", loss)
 
 
-def _mtp_timing(shapes: Shapes, device: Device, *, moe: bool = False) -> Timing:
-    """eh_proj GEMM, one decoder layer (with its recompute), the shared head and loss, and the input lookup."""
-    return (_linear(eh_proj_gemm(shapes), shapes, device) + _decoder_timing(shapes, device, moe=moe)
-            + _output_timing(shapes, device) + _embedding_timing(shapes, device))
-
-
-def _unit(name: str, kind: LayerKind, timing: Timing, *, params: float, act_bytes: float,
-          static_bytes: float, experts: float = 0.0) -> LayerCost:
-    return LayerCost(
-        name=name, kind=kind, fwd_ms=timing.fwd_ms, bwd_ms=timing.bwd_ms, wgrad_ms=timing.wgrad_ms,
-        static_bytes=static_bytes, act_bytes=act_bytes, param_count=params, expert_param_count=experts,
-        parts=timing.parts,
-    )
+def _mtp_timing(shapes: Shapes, device: Device, *, decoder: Timing, output: Timing, embedding: Timing) -> Timing:
+    """eh_proj GEMM, one decoder layer (with its recompute), the shared head and loss, and the input lookup (the
+    decoder, output and embedding timings given, as the units' own)."""
+    return linear_timing(eh_proj_gemm(shapes), shapes, device) + decoder + output + embedding
 
 
 def unit_runs(model: ModelSpec) -> tuple[tuple[str, int], ...]:
@@ -308,9 +110,63 @@ def unit_runs(model: ModelSpec) -> tuple[tuple[str, int], ...]:
     return tuple((key, count) for key, count in runs)
 
 
-def distinct_units(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-                   train: TrainSpec) -> dict[str, LayerCost]:
-    """Each distinct unit of :func:`unit_runs`, costed once (named by its key)."""
+BYTES_FEATURES = ("recompute_modules", "fine_grained_activation_offloading", "offload_modules",
+                  "moe_router_padding_for_quantization", "moe_router_force_load_balancing")
+"""The runtime features a unit's bytes and parameters read (:mod:`megapipe.cost.memory`: what selective recompute
+and activation offloading keep; FP8's routing-map padding; forced balancing sets the busiest rank's tokens); every
+other feature changes only times. tests/test_cost.py holds the memory model to it."""
+
+
+def bytes_features(features: RuntimeFeatures) -> RuntimeFeatures:
+    """``features`` as a unit's bytes see them: :data:`BYTES_FEATURES` kept, the others at their defaults."""
+    return RuntimeFeatures(**{name: getattr(features, name) for name in BYTES_FEATURES})
+
+
+@dataclass(frozen=True, slots=True)
+class UnitBytes:
+    """What a unit holds on one GPU: its parameters (and the routed experts' share), its weights, gradients and
+    optimizer state, and its activations per in-flight microbatch."""
+
+    param_count: float
+    expert_param_count: float
+    static_bytes: float
+    act_bytes: float
+
+
+def unit_bytes(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> dict[str, UnitBytes]:
+    """Each distinct unit's parameters and bytes (by unit key), read with :func:`bytes_features` only: equal for
+    every feature set that agrees there."""
+    features = bytes_features(parallel.features)
+    if features != parallel.features:
+        parallel = dataclasses.replace(parallel, features=features)
+    shapes = shapes_of(model=model, parallel=parallel, train=train)
+
+    def sized(kind: LayerKind, params: float, act: float, experts: float = 0.0) -> UnitBytes:
+        static = unit_static_bytes(kind=kind, params=params, shapes=shapes, parallel=parallel, train=train,
+                                   expert_params=experts)
+        return UnitBytes(param_count=params, expert_param_count=experts, static_bytes=static, act_bytes=act)
+
+    keys = {key for key, _ in unit_runs(model)}
+    last_moe = _last_moe(model)
+    out: dict[str, UnitBytes] = {}
+    for key, moe in (("dense", False), ("moe", True)):
+        if key in keys:
+            out[key] = sized(LayerKind.decoder, decoder_params(shapes, moe=moe),
+                             decoder_activation_bytes(shapes, moe=moe), expert_params(shapes, moe=moe))
+    if "mtp" in keys:
+        out["mtp"] = sized(LayerKind.mtp, mtp_params(shapes, moe=last_moe), mtp_activation_bytes(shapes, moe=last_moe),
+                           expert_params(shapes, moe=last_moe))
+    embedding = embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length)
+    out["embedding"] = sized(LayerKind.embedding, embedding, embedding_activation_bytes(shapes))
+    holds_head = model.untie_embeddings_and_output_weights or parallel.pipeline_model_parallel_size > 1
+    out["output"] = sized(LayerKind.loss, output_params(shapes, holds_output_weight=holds_head),
+                          output_activation_bytes(shapes))
+    return out
+
+
+def unit_times(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+               train: TrainSpec) -> dict[str, Timing]:
+    """Each distinct unit's time (by unit key) on ``gpu``; it does not read the pipeline or data-parallel size."""
     shapes = shapes_of(model=model, parallel=parallel, train=train)
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
     device = Device(
@@ -318,32 +174,46 @@ def distinct_units(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, para
         link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=tp),
         cp_link=p2p_link(cluster=cluster, span=tp * cp), cluster=cluster,
     )
-
-    def unit(key: str, kind: LayerKind, timing: Timing, params: float, act: float, experts: float = 0.0):
-        static = unit_static_bytes(kind=kind, params=params, shapes=shapes, parallel=parallel, train=train,
-                                   expert_params=experts)
-        return _unit(key, kind, timing, params=params, act_bytes=act, static_bytes=static, experts=experts)
-
     keys = {key for key, _ in unit_runs(model)}
-    pattern = model.moe_layers
-    last_moe = bool(pattern and pattern[-1])
-    units: dict[str, LayerCost] = {}
+    last_moe = _last_moe(model)
+    out: dict[str, Timing] = {}
     for key, moe in (("dense", False), ("moe", True)):
-        if key in keys:
-            units[key] = unit(key, LayerKind.decoder, _decoder_timing(shapes, device, moe=moe),
-                              decoder_params(shapes, moe=moe), decoder_activation_bytes(shapes, moe=moe),
-                              expert_params(shapes, moe=moe))
+        if key in keys or ("mtp" in keys and moe == last_moe):
+            out[key] = decoder_timing(shapes, device, moe=moe)
+    embedding, output = _embedding_timing(shapes, device), _output_timing(shapes, device)
     if "mtp" in keys:
-        units["mtp"] = unit("mtp", LayerKind.mtp, _mtp_timing(shapes, device, moe=last_moe),
-                            mtp_params(shapes, moe=last_moe), mtp_activation_bytes(shapes, moe=last_moe),
-                            expert_params(shapes, moe=last_moe))
-    embedding = embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length)
-    units["embedding"] = unit("embedding", LayerKind.embedding, _embedding_timing(shapes, device), embedding,
-                              embedding_activation_bytes(shapes))
-    holds_head = model.untie_embeddings_and_output_weights or parallel.pipeline_model_parallel_size > 1
-    units["output"] = unit("output", LayerKind.loss, _output_timing(shapes, device),
-                           output_params(shapes, holds_output_weight=holds_head), output_activation_bytes(shapes))
-    return units
+        out["mtp"] = _mtp_timing(shapes, device, decoder=out["moe" if last_moe else "dense"], output=output,
+                                 embedding=embedding)
+    out["embedding"], out["output"] = embedding, output
+    return {key: out[key] for key in _UNIT_ORDER if key in keys}
+
+
+_UNIT_ORDER = ("dense", "moe", "mtp", "embedding", "output")
+_KINDS = {"dense": LayerKind.decoder, "moe": LayerKind.decoder, "mtp": LayerKind.mtp,
+          "embedding": LayerKind.embedding, "output": LayerKind.loss}
+
+
+def _last_moe(model: ModelSpec) -> bool:
+    """Whether the last decoder layer (the kind of the MTP blocks' decoder) is a MoE layer."""
+    pattern = model.moe_layers
+    return bool(pattern and pattern[-1])
+
+
+def unit_cost(key: str, timing: Timing, sizes: UnitBytes) -> LayerCost:
+    """The unit ``key`` with its time and bytes."""
+    return LayerCost(
+        name=key, kind=_KINDS[key], fwd_ms=timing.fwd_ms, bwd_ms=timing.bwd_ms, wgrad_ms=timing.wgrad_ms,
+        static_bytes=sizes.static_bytes, act_bytes=sizes.act_bytes, param_count=sizes.param_count,
+        expert_param_count=sizes.expert_param_count, parts=timing.parts,
+    )
+
+
+def distinct_units(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+                   train: TrainSpec) -> dict[str, LayerCost]:
+    """Each distinct unit of :func:`unit_runs`, costed once (named by its key)."""
+    times = unit_times(model=model, gpu=gpu, cluster=cluster, parallel=parallel, train=train)
+    sizes = unit_bytes(model=model, parallel=parallel, train=train)
+    return {key: unit_cost(key, timing, sizes[key]) for key, timing in times.items()}
 
 
 def layer_costs(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec,

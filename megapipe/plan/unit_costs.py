@@ -1,25 +1,26 @@
-"""The cost model's distinct pipeline units per candidate, shared across data-parallel sizes.
+"""The cost model's distinct pipeline units per candidate, shared across data-parallel sizes and feature sets.
 
 :func:`megapipe.cost.layer_costs` costs each distinct unit once (a dense and a MoE decoder layer, an MTP
 block) and repeats it (:func:`megapipe.cost.layers.unit_runs`), so bounds only need the distinct units,
-each with its repeat count. A unit's times
-and activation bytes depend on (TP, SP, CP, micro-batch, recompute, sequence), and whether
-the last stage holds the output weight on PP > 1; the data-parallel size enters only
-``static_bytes`` (:func:`megapipe.cost.params.unit_static_bytes`: the distributed optimizer's
-shards), which is recomputed here the same way, so every number equals the full profile's
-(tests/test_plan_bounds.py). Sums over the expanded profile are taken in its order with the
-built-in ``sum``, so they are the very sums of the full profile.
+each with its repeat count. A unit's times depend on the candidate's layer key (TP, SP, CP, micro-batch,
+recompute, sequence, EP, ETP, the runtime features, ...) and the GPU, never on PP or DP
+(:func:`megapipe.cost.layers.unit_times`); its bytes and parameters on the layer key with only the features
+bytes read (:func:`megapipe.cost.layers.bytes_features`), the data-parallel size (the distributed optimizer's
+shards) and whether the last stage holds the output weight on PP > 1 (:func:`megapipe.cost.layers.unit_bytes`).
+Each is costed once and the two are joined per candidate, so every number equals the full profile's
+(tests/test_plan_bounds.py); a search that tries a dozen feature sets at every size sizes each unit once.
+Sums over the expanded profile are taken in its order with the built-in ``sum``, so they are the very sums of
+the full profile.
 """
 
 from __future__ import annotations
 
 from itertools import chain, repeat
 
-from megapipe import cost
-from megapipe.cost.layers import distinct_units, unit_runs
-from megapipe.cost.params import unit_static_bytes
+from megapipe.cost.layers import UnitBytes, bytes_features, unit_bytes, unit_cost, unit_runs, unit_times
+from megapipe.cost.timing import Timing
 from megapipe.plan.plans import Candidate
-from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec
+from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec, RuntimeFeatures
 
 __all__ = ["SharedCosts", "UnitCosts", "repeated_sum"]
 
@@ -39,7 +40,10 @@ class SharedCosts:
     """
 
     def __init__(self):
-        self.timed: dict[tuple, dict[str, LayerCost]] = {}
+        self.timed: dict[tuple, dict[str, Timing]] = {}
+        """Unit times by layer key and GPU."""
+        self.sized: dict[tuple, dict[str, UnitBytes]] = {}
+        """Unit bytes by bytes key, DP size, PP > 1 and the distributed optimizer."""
         self.priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = {}
         self.schedules: dict[tuple, object] = {}
         """Built schedules by sizes (:meth:`megapipe.plan.evaluator.Evaluator.schedule`)."""
@@ -51,15 +55,19 @@ class SharedCosts:
 
 
 class UnitCosts:
-    """Unit costs of one (model, cluster), costed once per layer key and GPU and priced per DP size."""
+    """Unit costs of one (model, cluster), timed once per layer key and GPU and sized once per the layer key's
+    bytes features (:func:`megapipe.cost.layers.bytes_features`), DP size and whether PP > 1."""
 
     def __init__(self, *, model: ModelSpec, cluster: ClusterSpec, shared: SharedCosts | None = None):
         self.model = model
         self.cluster = cluster
         self._runs = unit_runs(model)
-        self._timed: dict[tuple, dict[str, LayerCost]] = {} if shared is None else shared.timed
-        self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = {} if shared is None else \
-            shared.priced
+        self._counts = tuple(count for _, count in self._runs)
+        shared = shared or SharedCosts()
+        self._timed: dict[tuple, dict[str, Timing]] = shared.timed
+        self._sized: dict[tuple, dict[str, UnitBytes]] = shared.sized
+        self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = shared.priced
+        self._bytes_keys: dict[RuntimeFeatures, RuntimeFeatures] = {}
 
     def runs(self, cand: Candidate, gpu: GpuSpec) -> tuple[tuple[LayerCost, ...], tuple[int, ...]]:
         """(units, repeat counts) in profile order: embedding, decoder, [mtp], output."""
@@ -68,19 +76,9 @@ class UnitCosts:
                                 par.use_distributed_optimizer, gpu.name)
         found = self._priced.get(key)
         if found is None:
-            units = self._timed_units(cand, gpu)
-            shapes = cost.shapes_of(model=self.model, parallel=par, train=cand.train)
-
-            def static(unit: LayerCost) -> float:
-                return unit_static_bytes(kind=unit.kind, params=unit.param_count, shapes=shapes, parallel=par,
-                                         train=cand.train, expert_params=unit.expert_param_count)
-
-            priced = {key: LayerCost(name=unit.name, kind=unit.kind, fwd_ms=unit.fwd_ms, bwd_ms=unit.bwd_ms,
-                                     wgrad_ms=unit.wgrad_ms, static_bytes=static(unit), act_bytes=unit.act_bytes,
-                                     param_count=unit.param_count, expert_param_count=unit.expert_param_count,
-                                     parts=unit.parts) for key, unit in units.items()}
-            found = (tuple(priced[key] for key, _ in self._runs), tuple(count for _, count in self._runs))
-            self._priced[key] = found
+            times, sizes = self.times(cand, gpu), self._sizes(cand)
+            units = {key: unit_cost(key, timing, sizes[key]) for key, timing in times.items()}
+            found = self._priced[key] = (tuple(units[key] for key, _ in self._runs), self._counts)
         return found
 
     def layers(self, cand: Candidate, gpu: GpuSpec) -> tuple[LayerCost, ...]:
@@ -88,11 +86,33 @@ class UnitCosts:
         units, counts = self.runs(cand, gpu)
         return tuple(chain.from_iterable(map(repeat, units, counts)))
 
-    def _timed_units(self, cand: Candidate, gpu: GpuSpec) -> dict[str, LayerCost]:
-        par = cand.parallel
-        key = cand.layer_key + (par.pipeline_model_parallel_size > 1, gpu.name)
+    def times(self, cand: Candidate, gpu: GpuSpec) -> dict[str, Timing]:
+        """Each distinct unit's time by unit key (:func:`megapipe.cost.layers.unit_times`); it reads neither the
+        pipeline nor the data-parallel size."""
+        key = cand.layer_key + (gpu.name,)
         found = self._timed.get(key)
         if found is None:
-            found = distinct_units(model=self.model, gpu=gpu, cluster=self.cluster, parallel=par, train=cand.train)
-            self._timed[key] = found
+            found = self._timed[key] = unit_times(model=self.model, gpu=gpu, cluster=self.cluster,
+                                                  parallel=cand.parallel, train=cand.train)
         return found
+
+    def bytes_key(self, cand: Candidate) -> tuple:
+        """The layer key with its features as the units' bytes read them: candidates of one bytes key and DP size
+        hold the same bytes in every unit (and have the same parameters)."""
+        features = cand.parallel.features
+        found = self._bytes_keys.get(features)
+        if found is None:
+            found = self._bytes_keys[features] = bytes_features(features)
+        key = cand.layer_key
+        at = key.index(features)
+        return key[:at] + (found,) + key[at + 1:]
+
+    def _sizes(self, cand: Candidate) -> dict[str, UnitBytes]:
+        par = cand.parallel
+        key = self.bytes_key(cand) + (par.data_parallel_size, par.pipeline_model_parallel_size > 1,
+                                      par.use_distributed_optimizer)
+        found = self._sized.get(key)
+        if found is None:
+            found = self._sized[key] = unit_bytes(model=self.model, parallel=par, train=cand.train)
+        return found
+
