@@ -73,6 +73,17 @@ class LayerCosts:
             return self.fixed_profile.layers, (1,) * len(self.fixed_profile.layers)
         return self._unit_costs.runs(cand, self.cluster.gpu)
 
+    def unit_signature(self, cand: Candidate) -> tuple[tuple[float, ...], object]:
+        """Each distinct unit's forward, backward and weight-gradient ms on the cluster's first GPU, flat, and a
+        token for the units' bytes: candidates that differ only in their runtime features and share the token hold
+        the same bytes in every unit at every PP and DP (:meth:`UnitCosts.bytes_key`)."""
+        if self.fixed_profile is not None:
+            return tuple(x for layer in self.fixed_profile.layers for x in (layer.fwd_ms, layer.bwd_ms,
+                                                                            layer.wgrad_ms)), None
+        times = self._unit_costs.times(cand, self.cluster.gpu)
+        return (tuple(x for timing in times.values() for x in (timing.fwd_ms, timing.bwd_ms, timing.wgrad_ms)),
+                self._unit_costs.bytes_key(cand))
+
     def model_flops_per_token(self, seq_length: int) -> float:
         if seq_length not in self._flops:
             self._flops[seq_length] = cost.model_flops_per_token(self.model, seq_length)

@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError, ScheduleError
+from megapipe.plan.dominance import dominated_features
 from megapipe.plan.evaluator import Evaluator, Prepared
 from megapipe.plan.unit_costs import SharedCosts
 from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
@@ -181,51 +182,9 @@ _UNSET = object()
 
 
 def _dominated_features(evaluator: Evaluator, space: Space) -> set[int]:
-    """Points whose runtime features another point of the same sizes beats on every unit: no slower forward,
-    backward or weight gradient anywhere, the same memory. A schedule's step never grows when a stage's work
-    shrinks, so such a point can never rank above the one that dominates it (ties keep the first)."""
-    groups: dict[tuple, list[int]] = {}
-    for index, point in enumerate(space.points):
-        groups.setdefault(point[:13], []).append(index)
-    runs: dict[tuple, tuple] = {}
-    out: set[int] = set()
-    # Units' costs do not read VP, the schedule or the microbatch count (Candidate.layer_key): groups that differ
-    # only there, with the same features, dominate at the same positions.
-    settled: dict[tuple, tuple[int, ...]] = {}
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        first = space.points[members[0]]
-        key = first[:4] + first[5:8] + first[11:13] + tuple(space.points[index].features for index in members)
-        positions = settled.get(key)
-        if positions is None:
-            positions = settled[key] = _dominated_positions(evaluator, space, members, runs)
-        out.update(members[position] for position in positions)
-    return out
-
-
-def _dominated_positions(evaluator: Evaluator, space: Space, members: list[int], runs: dict) -> tuple[int, ...]:
-    """Positions in ``members`` (points of one group) that another member dominates."""
-    vectors = []
-    for index in members:
-        cand = space.candidate(space.points[index])
-        key = cand.layer_key + (cand.parallel.data_parallel_size, cand.parallel.pipeline_model_parallel_size > 1)
-        found = runs.get(key)
-        if found is None:
-            units, _ = evaluator.costs.runs(cand)
-            found = runs[key] = tuple((unit.fwd_ms, unit.bwd_ms, unit.wgrad_ms, unit.static_bytes, unit.act_bytes)
-                                      for unit in units)
-        vectors.append(found)
-    out = []
-    for position, mine in enumerate(vectors):
-        for other, theirs in enumerate(vectors):
-            if other == position or theirs == mine and other > position:
-                continue
-            if all(t[0] <= m[0] and t[1] <= m[1] and t[2] <= m[2] and t[3] == m[3] and t[4] == m[4]
-                   for t, m in zip(theirs, mine)):
-                out.append(position)
-                break
-    return tuple(out)
+    """Points whose runtime features another point of the same sizes beats on every unit
+    (:func:`megapipe.plan.dominance.dominated_features`): they can never rank above it."""
+    return dominated_features(evaluator.costs, space)
 
 
 def _min_time_scale(evaluator: Evaluator) -> float:

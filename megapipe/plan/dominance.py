@@ -1,0 +1,62 @@
+"""Runtime feature sets that another feature set of the same sizes beats everywhere (the search drops them before
+bounding anything).
+
+A point dominates another of the same sizes (everything but the runtime features) when no unit of it runs a
+slower forward, backward or weight gradient and every unit holds the same bytes. A schedule's step never grows
+when a stage's work shrinks, and every split that fits one fits the other, so the dominated point can never rank
+above the one that dominates it; of two with equal costs the first stays.
+
+Unit times read neither PP, DP, VP, the schedule nor the microbatch count (:func:`megapipe.cost.layers.unit_times`)
+and two feature sets of one layer key hold the same bytes at every size when their bytes features agree
+(:meth:`megapipe.plan.unit_costs.UnitCosts.bytes_key`), so dominance is settled once per layer key and set of
+feature sets, for every pipeline and data-parallel size at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megapipe.plan.layer_costs import LayerCosts
+from megapipe.plan.space import Space
+
+__all__ = ["dominated_features"]
+
+_SIZES = slice(0, 13)
+"""A point's fields but its features (:class:`megapipe.plan.space.Point`): its group."""
+
+
+def dominated_features(costs: LayerCosts, space: Space) -> set[int]:
+    """Indices of the points another point of their group dominates."""
+    groups: dict[tuple, list[int]] = {}
+    points = space.points
+    for index, point in enumerate(points):
+        groups.setdefault(point[_SIZES], []).append(index)
+    out: set[int] = set()
+    settled: dict[tuple, tuple[int, ...]] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        first = points[members[0]]
+        # the layer key's sizes (TP, CP, micro-batch, recompute, SP, EP, ETP) and the members' features in order
+        key = first[:2] + first[5:8] + first[11:13] + tuple(points[index].features for index in members)
+        positions = settled.get(key)
+        if positions is None:
+            positions = settled[key] = dominated_positions(costs, [space.candidate(points[index])
+                                                                   for index in members])
+        out.update(members[position] for position in positions)
+    return out
+
+
+def dominated_positions(costs: LayerCosts, cands: list) -> tuple[int, ...]:
+    """Positions in ``cands`` (one group's candidates) that another of them dominates; of equals the first stays."""
+    signatures = [costs.unit_signature(cand) for cand in cands]
+    times = np.array([time for time, _ in signatures])
+    tokens = [token for _, token in signatures]
+    count = len(cands)
+    same = np.array([[mine == theirs for theirs in tokens] for mine in tokens])
+    no_slower = (times[None, :, :] <= times[:, None, :]).all(axis=2)  # [i, j]: j no slower than i anywhere
+    equal = (times[None, :, :] == times[:, None, :]).all(axis=2)
+    order = np.arange(count)
+    later = order[None, :] > order[:, None]  # [i, j]: j comes after i
+    dominated = same & no_slower & (order[None, :] != order[:, None]) & ~(equal & later)
+    return tuple(int(position) for position in np.flatnonzero(dominated.any(axis=1)))
