@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megapipe.partition.rank_problem import RankProblem
+from megapipe.partition.counts import Pins, count_search, first_ok, rank_stages, stage_counts, boundaries
 from megapipe.records import LayerCost, LayerKind, StageSpec
 from megapipe.units import GIB
 
@@ -76,14 +76,6 @@ def uniform_shape(layers: Sequence[LayerCost], *, times: bool = False) -> Unifor
     return UniformShape(decoder=first, num_decoders=len(middle), head=head, tail=tail)
 
 
-def rank_stages(ranks: Sequence[int], pipeline_model_parallel_size: int) -> tuple[tuple[int, ...], ...]:
-    """Each rank's layout stages, in stage order (the order of its profile vectors' entries)."""
-    out: list[list[int]] = [[] for _ in range(pipeline_model_parallel_size)]
-    for stage, rank in enumerate(ranks):
-        out[rank].append(stage)
-    return tuple(tuple(stages) for stages in out)
-
-
 def rank_peaks(*, static: Sequence[float], act: Sequence[float], ranks: Sequence[int],
                profiles: Sequence[Sequence[Sequence[int]]]) -> tuple[float, ...]:
     """Each rank's peak bytes over the step: its chunks' static bytes plus the largest in-flight sum."""
@@ -101,29 +93,25 @@ def _rows(profile) -> list:
 
 
 # -- identical decoders ----------------------------------------------------------------------------
-def _pinned(shape: UniformShape, num_stages: int) -> list[tuple[float, float, float]]:
-    """(time, static, act) that each layout stage holds besides its decoders: the head and the tail."""
-    out = [(0.0, 0.0, 0.0)] * num_stages
+def uniform_pins(shape: UniformShape, num_stages: int) -> Pins:
+    """What each layout stage holds besides its decoders (the head on the first, the tail on the last) and how
+    many decoders it may hold: none beside the head or the tail, one elsewhere (no empty stage), at most all."""
+    extra = [(0.0, 0.0, 0.0)] * num_stages
+    entries = [0] * num_stages
     for entry, stage in ((shape.head, 0), (shape.tail, num_stages - 1)):
         if entry is not None:
-            time, static, act = out[stage]
-            out[stage] = (time + entry.fwd_ms + entry.bwd_ms, static + entry.static_bytes, act + entry.act_bytes)
-    return out
+            time, static, act = extra[stage]
+            extra[stage] = (time + entry.fwd_ms + entry.bwd_ms, static + entry.static_bytes, act + entry.act_bytes)
+            entries[stage] += 1
+    low = tuple(0 if entries[stage] else 1 for stage in range(num_stages))
+    return Pins(extra=tuple(extra), entries=tuple(entries), low=low, cap=(shape.num_decoders,) * num_stages)
 
 
-def _rank_problems(shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int], profiles
-                   ) -> tuple[list[RankProblem], tuple[tuple[int, ...], ...], list, list[int]] | None:
-    """Each rank's problem (with the stages it owns, the head and tail bytes, the fewest decoders per stage),
-    or None when the stages need more decoders than there are."""
-    num_stages, pp = len(ranks), len(stages)
-    pinned = _pinned(shape, num_stages)
-    low = _lows(shape, num_stages)
-    if sum(low) > shape.num_decoders:
-        return None
-    owned = rank_stages(ranks, pp)
-    problems = [RankProblem(shape.decoder, owned[r], profiles[r], stages[r].memory_bytes, pinned, [low[s] for s in owned[r]])
-                for r in range(pp)]
-    return problems, owned, pinned, low
+def _uniform_search(shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int], profiles):
+    """The counts search of an identical-decoder profile, or None when the stages need more decoders than
+    there are."""
+    return count_search(decoder=shape.decoder, num_decoders=shape.num_decoders, pins=uniform_pins(shape, len(ranks)),
+                        stages=stages, ranks=ranks, profiles=profiles)
 
 
 def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
@@ -132,7 +120,7 @@ def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: 
     fall along its stages (every schedule's profiles do): all ranks at once on stacked arrays, each rank's
     largest total back-loaded without a bound on the bottleneck, its rounding leaning to True (the solver
     settles those); otherwise each memory row alone bounds a rank's total (a relaxation)."""
-    low = _lows(shape, len(ranks))
+    low = uniform_pins(shape, len(ranks)).low
     if sum(low) > shape.num_decoders:
         return False
     owned = rank_stages(ranks, len(stages))
@@ -142,7 +130,7 @@ def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: 
         found = _stacked_capacity(shape, stages, owned, arrays, low)
         if found is not None:
             return found
-    problems = _rank_problems(shape, stages, ranks, profiles)[0]
+    problems = _uniform_search(shape, stages, ranks, profiles).problems
     if not all(problem.fits(problem.low) for problem in problems):
         return False
     top = shape.num_decoders
@@ -182,114 +170,11 @@ def _stacked_capacity(shape: UniformShape, stages, owned, arrays, low) -> bool |
 def uniform_fits(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
                  profiles: Sequence[Sequence[Sequence[int]]]) -> bool:
     """Whether any split of the decoders fits every rank's coupled memory (no bound on the bottleneck)."""
-    found = _rank_problems(shape, stages, ranks, profiles)
+    found = _uniform_search(shape, stages, ranks, profiles)
     if found is None:
         return False
-    largest = [problem.largest((shape.num_decoders,) * len(problem.stages)) for problem in found[0]]
+    largest = [problem.largest((shape.num_decoders,) * len(problem.stages)) for problem in found.problems]
     return None not in largest and sum(largest) >= shape.num_decoders
-
-
-def _lows(shape: UniformShape, num_stages: int) -> list[int]:
-    """Fewest decoders per stage: none beside the head or the tail, one elsewhere (no empty stage)."""
-    return [0 if (stage == 0 and shape.head) or (stage == num_stages - 1 and shape.tail) else 1
-            for stage in range(num_stages)]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _UniformSearch:
-    """What :func:`uniform_split`'s bottleneck tests share: the ranks' problems and the stages' fixed parts."""
-
-    stages: Sequence[StageSpec]
-    ranks: Sequence[int]
-    problems: list[RankProblem]
-    owned: tuple[tuple[int, ...], ...]
-    pinned: list
-    low: list[int]
-    unit: float
-    """F + B of one decoder (ms)."""
-    num_decoders: int
-    monotone: bool
-    """Every rank's rows fall along its stages (:attr:`RankProblem.monotone`)."""
-
-    def highs(self, bottleneck: float) -> list[int] | None:
-        """Most decoders each stage can take within ``bottleneck``, or None when a stage cannot take its fewest."""
-        n, unit = self.num_decoders, self.unit
-        out = []
-        for stage in range(len(self.ranks)):
-            scale = self.stages[self.ranks[stage]].time_scale
-            spare = bottleneck / scale - self.pinned[stage][0] if scale > 0 else math.inf
-            top = n if unit <= 0 else int(math.floor(spare / unit + _EPS))
-            if top < self.low[stage]:
-                return None
-            out.append(min(top, n))
-        return out
-
-    def decided(self, bottleneck: float) -> bool | None:
-        """Feasibility from cheap bounds alone (None when only the exact rank totals can tell)."""
-        high = self.highs(bottleneck)
-        if high is None:
-            return False
-        upper = lower = 0.0
-        for rank, problem in enumerate(self.problems):
-            top = tuple(high[s] for s in self.owned[rank])
-            if top in problem._cache:
-                found = problem._cache[top]
-                if found is None:
-                    return False
-                upper, lower = upper + sum(found), lower + sum(found)
-            elif not problem.fits(problem.low):
-                return False
-            elif problem.fits(top):
-                upper, lower = upper + sum(top), lower + sum(top)
-            else:
-                upper += min(sum(top), math.floor(problem.upper(top) + 1e-9))
-                lower += sum(problem.low)
-        if upper < self.num_decoders:
-            return False
-        return True if lower >= self.num_decoders else None
-
-    def feasible(self, bottleneck: float) -> tuple[list[int], list[int | None]] | None:
-        """Each stage's most decoders and each rank's largest total within ``bottleneck``, or None if too few."""
-        high = self.highs(bottleneck)
-        if high is None:
-            return None
-        largest = [self.problems[r].largest(tuple(high[s] for s in self.owned[r])) for r in range(len(self.stages))]
-        if any(value is None for value in largest) or sum(largest) < self.num_decoders:
-            return None
-        return high, largest
-
-    def ok(self, bottleneck: float) -> bool:
-        """Whether some split fits within ``bottleneck`` (cheap bounds first, then the exact rank totals)."""
-        if self.monotone:  # the exact totals cost no more than the bounds
-            return self.feasible(bottleneck) is not None
-        quick = self.decided(bottleneck)
-        return quick if quick is not None else self.feasible(bottleneck) is not None
-
-    def candidates(self, lower_bound: float | None) -> list[float]:
-        """The values a bottleneck can take (some stage's time on its rank's GPU), from ``lower_bound`` up."""
-        kinds = {(self.stages[self.ranks[s]].time_scale, self.pinned[s][0], self.low[s]) for s in range(len(self.ranks))}
-        counts = np.arange(self.num_decoders + 1, dtype=float)
-        values = np.unique(np.concatenate([scale * (pinned + counts[low:] * self.unit) for scale, pinned, low in kinds]))
-        if lower_bound is not None:
-            above = values[values >= lower_bound * (1 - 1e-12)]
-            values = above if len(above) else values[-1:]
-        return values.tolist()
-
-
-def _first_ok(values: Sequence[float], ok) -> int:
-    """Index of the least of the ascending ``values`` that passes ``ok`` (the last one does)."""
-    # Gallop from the lower bound (the answer is usually a few values above it), then bisect.
-    lo, hi, step = 0, len(values) - 1, 1
-    while lo + step < hi and not ok(values[lo + step]):
-        lo, step = lo + step + 1, step * 2
-    hi = min(hi, lo + step)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if not ok(values[mid]):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
@@ -297,36 +182,14 @@ def uniform_split(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Se
     """Boundaries (entry indices) of the min-max split under the coupled rank memory, or None if none fits.
 
     ``lower_bound``: a bottleneck no split beats (the split without memory limits), where the search starts."""
-    found = _rank_problems(shape, stages, ranks, profiles)
-    if found is None:
+    search = _uniform_search(shape, stages, ranks, profiles)
+    if search is None:
         return None
-    problems, owned, pinned, low = found
-    search = _UniformSearch(stages=stages, ranks=ranks, problems=problems, owned=owned, pinned=pinned, low=low,
-                            unit=shape.decoder.fwd_ms + shape.decoder.bwd_ms, num_decoders=shape.num_decoders,
-                            monotone=all(problem.monotone for problem in problems))
     values = search.candidates(lower_bound)
     if not values or not search.ok(values[-1]):
         return None
-    high, largest = search.feasible(values[_first_ok(values, search.ok)])
-    return _bounds_from(problems, owned, high, largest, shape.num_decoders, shape, len(ranks))
-
-
-def _bounds_from(problems, owned, high, largest, n, shape: UniformShape, num_stages: int) -> tuple[int, ...]:
-    """Decoder counts per stage (each rank's total spread by room left, then over its stages), as boundaries."""
-    counts = [0] * num_stages
-    totals = [sum(problem.low) for problem in problems]
-    for _ in range(n - sum(totals)):  # one decoder at a time to the rank with the most room left
-        rank = max(range(len(problems)), key=lambda r: (largest[r] - totals[r], -r))
-        totals[rank] += 1
-    for rank, problem in enumerate(problems):
-        chosen = problem.counts(tuple(high[s] for s in owned[rank]), totals[rank])
-        for stage, count in zip(owned[rank], chosen):
-            counts[stage] = count
-    bounds = [0]
-    for stage, count in enumerate(counts):
-        entries = count + (1 if stage == 0 and shape.head else 0) + (1 if stage == num_stages - 1 and shape.tail else 0)
-        bounds.append(bounds[-1] + entries)
-    return tuple(bounds)
+    high, largest = search.feasible(values[first_ok(values, search.ok)])
+    return boundaries(stage_counts(search, high, largest), search.pins)
 
 
 # -- any profile -----------------------------------------------------------------------------------

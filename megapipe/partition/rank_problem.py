@@ -168,7 +168,12 @@ class RankProblem:
             if not (last > 0).all():
                 self._last_most = math.inf
                 return self._last_most
-            most = int(np.floor(self._spare / last).min())
+            ratios = np.floor(self._spare / last)
+            bounded = ratios[np.isfinite(ratios)]  # a rank without a memory limit leaves its rows unbounded
+            if not len(bounded):
+                self._last_most = math.inf
+                return self._last_most
+            most = int(bounded.min())
             counts = list(self.low)
             while most > 0 and not self.fits(counts[:-1] + [counts[-1] + most]):
                 most -= 1

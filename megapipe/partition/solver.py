@@ -25,6 +25,7 @@ from megapipe.partition.build import build_partition, over_memory_message
 from megapipe.partition.coupled import Unsolved, bottleneck_of, milp_split, rank_peaks, uniform_shape, uniform_split
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memory_reach, stage_ranks
 from megapipe.partition.headroom import least_utilisation_split
+from megapipe.partition.pinned import pinned_shape, pinned_split
 from megapipe.partition.minmax import SegmentCost, min_max_split, reachable_sets, segment_cost
 from megapipe.layout import mtp_problem
 from megapipe.records import LayerCost, LayerKind, Partition, StageSpec
@@ -160,8 +161,11 @@ def _coupled_bounds(layers, stages, ranks, in_flight, profiles, *, check_memory:
     except InfeasibleError:
         pass
     shape = uniform_shape(layers, times=True)
+    pinned = pinned_shape(layers) if shape is None else None
     if shape is not None:
         bounds = uniform_split(shape=shape, stages=stages, ranks=ranks, profiles=profiles, lower_bound=floor)
+    elif pinned is not None:
+        bounds = pinned_split(shape=pinned, stages=stages, ranks=ranks, profiles=profiles, lower_bound=floor)
     else:
         try:
             bounds = milp_split(layers=layers, stages=stages, ranks=ranks, profiles=profiles, lower_bound=floor)

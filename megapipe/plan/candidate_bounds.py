@@ -17,7 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from megapipe.partition.memory import in_flight_counts, stage_ranks
-from megapipe.partition.coupled import uniform_may_fit, uniform_shape
+from megapipe.partition.coupled import UniformShape, uniform_may_fit, uniform_shape
+from megapipe.partition.pinned import PinnedShape, pinned_may_fit, pinned_shape
 from megapipe.plan.bounds import least_in_flight, split_can_fit, water_level
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.per_stage_recompute import RECOMPUTE_OPTIONS, variant
@@ -240,20 +241,21 @@ class CandidateBounds:
     def split_can_fit(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> bool:
         """False only when the solver would find no split within memory (closed form, no solve).
 
-        Exact for the cost model's profiles (identical decoders between the embedding and the
-        loss); for any other profile it answers True and leaves the verdict to the solver.
+        Exact for the cost model's profiles: identical decoders between the embedding and the loss, and, where
+        ranks hold several chunks, a few entries at each end around identical decoders (a MoE model's dense
+        layers and MTP blocks: :func:`~megapipe.partition.pinned.pinned_may_fit`); for any other profile it
+        answers True and leaves the verdict to the solver.
         """
         if cand.per_stage_recompute:
             return self._per_stage_can_fit(cand, gpus)
-        key = cand.layer_key + (cand.parallel.data_parallel_size,)
-        if key not in self._shapes:
-            self._shapes[key] = uniform_shape(self.costs.bound_layers(cand))
-        shape = self._shapes[key]
+        shape = self._shape(cand)
         if shape is None or self.options.ignore_memory_limit:
             return True
         ranks = self._layout_ranks(cand)
-        specs = self.costs.stage_specs(cand, gpus, layers_of=self.costs.bound_layers)
         pp = cand.parallel.pipeline_model_parallel_size
+        if len(ranks) == pp and not isinstance(shape, UniformShape):
+            return True  # one stage per rank: the solver's split is cheap
+        specs = self.costs.stage_specs(cand, gpus, layers_of=self.costs.bound_layers)
         if len(ranks) == pp:
             in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
                                          num_microbatches=cand.num_microbatches)
@@ -265,7 +267,18 @@ class CandidateBounds:
             cand.schedule, pipeline_model_parallel_size=pp, num_microbatches=cand.num_microbatches,
             virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
             microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
+        if isinstance(shape, PinnedShape):
+            return pinned_may_fit(shape=shape, stages=specs, ranks=ranks, profiles=profiles)
         return uniform_may_fit(shape=shape, stages=specs, ranks=ranks, profiles=profiles)
+
+    def _shape(self, cand: Candidate) -> UniformShape | PinnedShape | None:
+        """The bound profile's shape: identical decoders between the embedding and the loss, else a few entries at
+        each end around a run of identical decoders; per layer key and DP."""
+        key = cand.layer_key + (cand.parallel.data_parallel_size,)
+        if key not in self._shapes:
+            layers = self.costs.bound_layers(cand)
+            self._shapes[key] = uniform_shape(layers) or pinned_shape(layers)
+        return self._shapes[key]
 
     def _layout_ranks(self, cand: Candidate) -> tuple[int, ...]:
         """The pipeline rank of every layout stage."""

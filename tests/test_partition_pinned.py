@@ -1,0 +1,169 @@
+"""The coupled-memory split of profiles with a few entries at each end around identical decoders (a MoE model's
+embedding and dense layers, its MoE layers, its MTP blocks and loss): exact against brute force over every split
+megatron-core takes, and its closed-form memory test never refuses a split that fits."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megapipe.errors import InfeasibleError
+from megapipe.layout import mtp_problem
+from megapipe.partition import StageSpec, solve
+from megapipe.partition.memory import stage_ranks
+from megapipe.partition.pinned import pinned_cases, pinned_may_fit, pinned_shape, pinned_split
+from megapipe.records import LayerCost, LayerKind
+from megapipe.schedules import build, rank_in_flight_profiles
+
+UNIT = 2**27  # byte counts are multiples of 128 MiB: every memory sum is exact
+
+
+def _layer(kind, time, static, act, name="x"):
+    return LayerCost(name=name, kind=kind, fwd_ms=time / 3, bwd_ms=2 * time / 3, wgrad_ms=time / 3,
+                     static_bytes=float(static * UNIT), act_bytes=float(act * UNIT))
+
+
+def _fits(chunks, stages, built) -> bool:
+    """Every rank's memory at every moment of the built orders, op by op."""
+    ranks = built.stage_to_rank
+    static = [math.fsum(e.static_bytes for e in chunk) for chunk in chunks]
+    act = [math.fsum(e.act_bytes for e in chunk) for chunk in chunks]
+    split = {(a.stage, a.microbatch) for order in built.orders for a in order if a.kind.value == "I"}
+    for rank, order in enumerate(built.orders):
+        held = sum(static[c] for c in range(len(chunks)) if ranks[c] == rank)
+        if held > stages[rank].memory_bytes:
+            return False
+        for action in order:
+            if action.kind.value == "F":
+                held += act[action.stage]
+                if held > stages[rank].memory_bytes:
+                    return False
+            elif action.kind.value == "W" or (action.kind.value == "B" and (action.stage, action.microbatch)
+                                              not in split):
+                held -= act[action.stage]
+    return True
+
+
+def _stages(layers, pp: int, fraction: float, slow: bool = False) -> list[StageSpec]:
+    """Ranks with ``fraction`` of an even share of the static bytes and four microbatches' activations each."""
+    need = (sum(e.static_bytes for e in layers) + 4 * sum(e.act_bytes for e in layers)) / pp
+    cap = math.ceil(fraction * need / UNIT) * UNIT
+    return [StageSpec(memory_bytes=cap, time_scale=1.5 if slow and rank == 1 else 1.0) for rank in range(pp)]
+
+
+def _brute(layers, stages, schedule, num_microbatches, vp, *, mtp_rules=True):
+    """The least bottleneck over every split that fits (and that megatron-core takes, with ``mtp_rules``)."""
+    pp = len(stages)
+    built = build(schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+                  virtual_pipeline_model_parallel_size=vp)
+    best = None
+    for cuts in itertools.combinations(range(1, len(layers)), pp * vp - 1):
+        bounds = (0, *cuts, len(layers))
+        chunks = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+        if mtp_rules and mtp_problem([[e.kind for e in chunk] for chunk in chunks], pipeline_model_parallel_size=pp):
+            continue
+        if not _fits(chunks, stages, built):
+            continue
+        worst = max(stages[built.stage_to_rank[c]].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in chunk)
+                    for c, chunk in enumerate(chunks))
+        best = worst if best is None or worst < best else best
+    return best
+
+
+@st.composite
+def moe_profiles(draw):
+    """[embedding] + dense layers + MoE layers + [MTP blocks] + loss, each kind with its own time and bytes."""
+    dense = draw(st.integers(0, 3))
+    moe = draw(st.integers(2, 6))
+    mtp = draw(st.integers(0, 2))
+    embedding = draw(st.booleans())
+    layers = [_layer(LayerKind.embedding, draw(st.integers(0, 2)), draw(st.integers(0, 3)), 1, "E")] if embedding \
+        else []
+    dense_layer = _layer(LayerKind.decoder, draw(st.integers(1, 3)), draw(st.integers(0, 2)), draw(st.integers(1, 3)))
+    moe_layer = _layer(LayerKind.decoder, draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 3)))
+    mtp_layer = _layer(LayerKind.mtp, draw(st.integers(2, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+    layers += [dense_layer] * dense + [moe_layer] * moe + [mtp_layer] * mtp
+    layers.append(_layer(LayerKind.loss, draw(st.integers(0, 4)), draw(st.integers(0, 3)), draw(st.integers(0, 2))))
+    return layers
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(moe_profiles(), st.sampled_from([(2, 2), (2, 3), (3, 2)]), st.sampled_from([6, 12]), st.floats(0.5, 1.5),
+       st.booleans(), st.sampled_from(["interleaved_1f1b", "zb_v"]))
+def test_moe_profiles_exact_under_coupled_memory(layers, sizes, num_microbatches, fraction, slow, schedule):
+    """The solver (free split, per-chunk shares, then the pinned split by counts) against brute force over every
+    split megatron-core takes: the same least bottleneck, or both find none."""
+    pp, vp = sizes
+    if schedule == "zb_v":
+        vp = 2
+    if len(layers) < pp * vp or schedule == "interleaved_1f1b" and num_microbatches % pp:
+        return
+    stages = _stages(layers, pp, fraction, slow)
+    best = _brute(layers, stages, schedule, num_microbatches, vp)
+    call = dict(num_microbatches=num_microbatches, schedule=schedule, virtual_pipeline_model_parallel_size=vp)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve(layers, stages, **call)
+        return
+    part = solve(layers, stages, **call)
+    assert part.bottleneck_ms == pytest.approx(best, rel=1e-9)
+    assert all(used <= stage.memory_bytes * (1 + 1e-9) for used, stage in zip(part.rank_memory_bytes, stages))
+    assert mtp_problem(part.stage_kinds, pipeline_model_parallel_size=pp) is None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(moe_profiles(), st.sampled_from([(2, 2), (2, 3), (3, 2)]), st.sampled_from([6, 12]), st.floats(0.5, 1.5),
+       st.sampled_from(["interleaved_1f1b", "zb_v"]))
+def test_pinned_split_and_may_fit_against_brute_force(layers, sizes, num_microbatches, fraction, schedule):
+    """pinned_split alone is the least bottleneck over the splits megatron-core takes; pinned_may_fit is False only
+    when no split fits at all (wherever its MTP blocks sit), and True when one does."""
+    pp, vp = sizes
+    if schedule == "zb_v":
+        vp = 2
+    if len(layers) < pp * vp or schedule == "interleaved_1f1b" and num_microbatches % pp:
+        return
+    shape = pinned_shape(layers)
+    assert shape is not None
+    stages = _stages(layers, pp, fraction)
+    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+    profiles = rank_in_flight_profiles(schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+                                       virtual_pipeline_model_parallel_size=vp)
+    best = _brute(layers, stages, schedule, num_microbatches, vp)
+    bounds = pinned_split(shape=shape, stages=stages, ranks=ranks, profiles=profiles)
+    if best is None:
+        assert bounds is None
+    else:
+        chunks = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+        assert max(math.fsum(e.fwd_ms + e.bwd_ms for e in chunk) for chunk in chunks) == pytest.approx(best, rel=1e-9)
+    anywhere = _brute(layers, stages, schedule, num_microbatches, vp, mtp_rules=False)
+    assert pinned_may_fit(shape=shape, stages=stages, ranks=ranks, profiles=profiles) == (anywhere is not None)
+
+
+def test_pinned_cases_place_the_ends_every_way_once():
+    """DeepSeek-V3's ends (the embedding and three dense layers; MTP and loss): 8 x 2 placements, each stage
+    non-empty, none before the head's last stage or after the tail's first holding a decoder."""
+    dense, moe = _layer(LayerKind.decoder, 1, 1, 1), _layer(LayerKind.decoder, 2, 2, 2)
+    layers = ([_layer(LayerKind.embedding, 1, 1, 1)] + [dense] * 3 + [moe] * 10
+              + [_layer(LayerKind.mtp, 3, 3, 3), _layer(LayerKind.loss, 1, 1, 1)])
+    shape = pinned_shape(layers)
+    assert (len(shape.head), shape.num_decoders, len(shape.tail)) == (4, 10, 2)
+    cases = list(pinned_cases(shape, 8))
+    assert len(cases) == 16
+    layouts = set()
+    for pins, kinds in cases:
+        assert all(entries or low for entries, low in zip(pins.entries, pins.low))  # no stage can be empty
+        holders = [stage for stage, cap in enumerate(pins.cap) if cap]
+        assert holders == list(range(holders[0], holders[-1] + 1))
+        layouts.add(kinds)
+    assert len(layouts) == 16
+
+
+def test_pinned_shape_leaves_long_ends_to_the_milp():
+    """A profile without a long run of identical decoders has too many placements of its ends."""
+    layers = [_layer(LayerKind.decoder, 1 + index, 1, 1) for index in range(14)]
+    assert pinned_shape(layers) is None
+    assert pinned_shape(layers[:6]) is not None
