@@ -8,6 +8,8 @@ planner choose them (:mod:`megapipe.validation.predict`).
 
 from __future__ import annotations
 
+import functools
+
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -89,11 +91,9 @@ def _preset(node: Mapping, where: str) -> ModelSpec:
     option, and any other key overrides the preset's field of that name."""
     import dataclasses
 
-    from megapipe.config import compose, to_scenario
-
     overrides = {key: value for key, value in node.items() if key != "preset"}
     try:
-        model = to_scenario(compose([f"model={node['preset']}"])).model
+        model = _preset_model(str(node["preset"]))
     except ConfigError as error:
         raise ConfigError(f"{where}.model.preset={node['preset']!r}: {error}") from None
     names = {item.name for item in dataclasses.fields(ModelSpec)}
@@ -103,6 +103,14 @@ def _preset(node: Mapping, where: str) -> ModelSpec:
     model = dataclasses.replace(model, **overrides)
     check_model(model)
     return model
+
+
+@functools.lru_cache(maxsize=64)
+def _preset_model(name: str) -> ModelSpec:
+    """``hydra_conf/model``'s preset ``name`` as a record, composed once per process (many runs share one)."""
+    from megapipe.config import compose, to_scenario
+
+    return to_scenario(compose([f"model={name}"])).model
 
 
 def _model(node: Mapping, where: str) -> ModelSpec:
