@@ -200,3 +200,28 @@ def test_committed_runtime_is_the_fit_on_the_public_runs():
         assert fitted.host_kernel(cpu) == pytest.approx(committed.host_kernel(cpu), rel=2e-2)
     assert fitted.moe_dropless_imbalance == pytest.approx(committed.moe_dropless_imbalance, rel=2e-2)
     assert committed.step_time_intervals, "megapipe validate writes the leave-one-source-out intervals"
+
+
+def test_a_fit_prices_each_run_on_the_runtime_as_it_reads_it():
+    """RunSet.step_time_s prices a run on its generation's scales, its host CPU's kernel cost and no step overhead,
+    then adds the overhead: the same seconds, to the bit, as predicting on the whole runtime, for every public run;
+    a runtime that differs only in another generation's scale or the overhead is not priced again."""
+    from megapipe.validation.predict import predict_step_s
+
+    runs = read_runs()
+    clusters = _clusters(runs)
+    resolved = [resolve(run, base) for run, base in zip(runs, clusters)]
+    runtime = with_values(RuntimeSpec(), {"gemm_efficiency_scale.hopper": 0.8, "gemm_efficiency_scale.ampere": 0.7,
+                                          "gemm_efficiency_scale.blackwell": 0.85, "host_kernel_us.grace": 60.0,
+                                          "attention_efficiency_scale.hopper": 0.75, "step_overhead_ms": 61.5,
+                                          "moe_dropless_imbalance": 1.2})
+    priced = RunSet(resolved, clusters)
+    for index, item in enumerate(resolved):
+        whole = predict_step_s(item, run_cluster(item.run, clusters[index], runtime))
+        assert priced.step_time_s(index, runtime) == whole, item.run.id
+    elsewhere = with_values(runtime, {"gemm_efficiency_scale.ampere": 0.6, "step_overhead_ms": 70.0})
+    hopper = [index for index, item in enumerate(resolved) if clusters[index].gpu.architecture == "hopper"]
+    before = sum(len(cache) for cache in priced._parts)
+    for index in hopper:
+        priced.step_time_s(index, elsewhere)
+    assert sum(len(cache) for cache in priced._parts) == before

@@ -36,7 +36,7 @@ from megapipe.layout import stage_entries
 from megapipe.simulate import StageTimes, p2p_cost, relaxed_step_ms, simulate, stage_times
 from megapipe.simulate.engine import step_time_ms as simulate_step_ms
 
-__all__ = ["Evaluator", "Prepared"]
+__all__ = ["Evaluator", "Prepared", "step_seconds"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,11 +176,15 @@ class Evaluator:
 
     def step_time_s(self, prepared: Prepared) -> float:
         """The plan's step time without the rest of its record (:meth:`finish`'s step_time_s, cheaper)."""
+        return step_seconds(self.step_parts_ms(prepared), self.cluster.runtime.step_overhead_ms)
+
+    def step_parts_ms(self, prepared: Prepared) -> tuple[float, float, float]:
+        """(simulated pipeline, exposed DP sync, optimizer step) of the plan: its step without the per-step overhead
+        (:func:`step_seconds` adds it)."""
         cand = prepared.cand
         p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
-        pipeline = simulate_step_ms(self.schedule(cand), prepared.times, p2p=p2p)
         sums = prepared.sums
-        return (pipeline + sums.sync_ms + sums.optimizer_ms + self.cluster.runtime.step_overhead_ms) / 1e3
+        return simulate_step_ms(self.schedule(cand), prepared.times, p2p=p2p), sums.sync_ms, sums.optimizer_ms
 
     def evaluate(self, cand: Candidate, *, method: str = "optimal", gpus: tuple[GpuSpec, ...] | None = None,
                  check_memory: bool | None = None) -> Plan:
@@ -234,6 +238,12 @@ class Evaluator:
                            dispatcher_bytes=dispatcher_transient_bytes(model=self.model, parallel=cand.parallel,
                                                                        train=cand.train),
                            moe=self.model.is_moe)
+
+
+def step_seconds(parts: tuple[float, float, float], step_overhead_ms: float) -> float:
+    """A step's seconds from :meth:`Evaluator.step_parts_ms` and the runtime's per-step overhead."""
+    pipeline, sync, optimizer = parts
+    return (pipeline + sync + optimizer + step_overhead_ms) / 1e3
 
 
 def _remembered(memo: dict, key, compute):

@@ -26,7 +26,8 @@ from megapipe.errors import ConfigError
 from megapipe.least_squares import identified, jacobian, kept_directions, levenberg_marquardt
 from megapipe.plan.plans import Plan
 from megapipe.records import ClusterSpec, RuntimeSpec
-from megapipe.validation.predict import Resolved, predict, predict_step_s, predict_times, run_cluster
+from megapipe.plan.evaluator import step_seconds
+from megapipe.validation.predict import Resolved, predict, predict_step_parts, predict_times, run_cluster
 
 __all__ = ["FIT_FIELDS", "DEFAULT_FIT", "MOE_FIT", "with_values", "field_value", "RunSet", "Fitted", "Stage",
            "fit_stages", "fit_residual", "fit_runtime", "leave_one_out", "leave_one_source_out", "source_of", "stages_of", "staged_leave_one_out"]
@@ -67,6 +68,8 @@ class RunSet:
         self.resolved = tuple(resolved)
         self.clusters = tuple(clusters)
         self._schedules: list[dict] = [{} for _ in self.resolved]
+        self._parts: list[dict] = [{} for _ in self.resolved]
+        """Per run: its step before the per-step overhead, by the runtime as the run reads it (:func:`seen_by`)."""
 
     def __len__(self) -> int:
         return len(self.resolved)
@@ -77,8 +80,16 @@ class RunSet:
         return predict(run, cluster, schedules=self._schedules[index])
 
     def step_time_s(self, index: int, runtime: RuntimeSpec) -> float:
+        """The run's predicted step, priced once per runtime as the run reads it: a fit that moves another
+        generation's scale, or only the per-step overhead, finds it already priced (the same seconds)."""
         run = self.resolved[index]
-        return predict_step_s(run, run_cluster(run.run, self.clusters[index], runtime), schedules=self._schedules[index])
+        cluster = run_cluster(run.run, self.clusters[index], runtime)
+        seen = seen_by(runtime, cluster, moe=run.run.model.is_moe)
+        parts = self._parts[index].get(seen)
+        if parts is None:
+            parts = self._parts[index][seen] = predict_step_parts(
+                run, dataclasses.replace(cluster, runtime=seen), schedules=self._schedules[index])
+        return step_seconds(parts, runtime.step_overhead_ms)
 
     def times(self, index: int, runtime: RuntimeSpec) -> tuple[float, tuple[float, ...]]:
         """(step time s, each layout stage's forward + backward per microbatch ms)."""
@@ -90,6 +101,20 @@ class RunSet:
 
     def measured(self, indices: Sequence[int]) -> np.ndarray:
         return np.array([self.resolved[index].run.step_time_s for index in indices])
+
+
+def seen_by(runtime: RuntimeSpec, cluster: ClusterSpec, *, moe: bool) -> RuntimeSpec:
+    """``runtime`` as a run on ``cluster`` (one GPU type) reads it, less its per-step overhead: its generation's
+    GEMM and attention scales and its host CPU's kernel cost in place of the tables, no step-time intervals, and a
+    dense model's MoE imbalance at 1 (only MoE layers read it). The cost model reads the scales only through
+    ``RuntimeSpec.gemm_scale``, ``attention_scale`` and ``host_kernel``, so a prediction on this runtime is the
+    one on ``runtime`` without its step overhead (tests/test_validation.py compares them)."""
+    architecture = cluster.gpu.architecture
+    return dataclasses.replace(
+        runtime, gemm_efficiency_scale=runtime.gemm_scale(architecture), gemm_efficiency_by_architecture=(),
+        attention_efficiency_scale=runtime.attention_scale(architecture), attention_efficiency_by_architecture=(),
+        host_kernel_us=runtime.host_kernel(cluster.host_cpu), host_kernel_us_by_cpu=(), step_time_intervals=(),
+        step_overhead_ms=0.0, moe_dropless_imbalance=runtime.moe_dropless_imbalance if moe else 1.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

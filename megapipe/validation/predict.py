@@ -27,7 +27,8 @@ from megapipe.records import ClusterSpec, NodeGroup, ParallelSpec, RuntimeSpec, 
 from megapipe.schedules import megatron_schedule
 from megapipe.validation.runs import PublishedRun
 
-__all__ = ["Resolved", "run_cluster", "resolve", "predict", "predict_step_s", "predict_times", "candidate_of"]
+__all__ = ["Resolved", "run_cluster", "resolve", "predict", "predict_step_s", "predict_step_parts", "predict_times",
+           "candidate_of"]
 
 _MAX_VIRTUAL = 16
 """Interleaving depths tried for a run that does not state its own (published runs go down to one layer per chunk)."""
@@ -170,6 +171,14 @@ def predict_step_s(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict 
     """:func:`predict`'s step time alone, seconds (what a fit evaluates many times)."""
     evaluator, cand = _evaluator_of(resolved, cluster, schedules)
     return evaluator.step_time_s(_prepare(evaluator, cand, resolved.layout))
+
+
+def predict_step_parts(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None
+                       ) -> tuple[float, float, float]:
+    """:func:`predict_step_s` before the per-step overhead: (pipeline, DP sync, optimizer) ms
+    (:func:`megapipe.plan.evaluator.step_seconds` adds it)."""
+    evaluator, cand = _evaluator_of(resolved, cluster, schedules)
+    return evaluator.step_parts_ms(_prepare(evaluator, cand, resolved.layout))
 
 
 def predict_times(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None
