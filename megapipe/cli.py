@@ -351,9 +351,12 @@ def _task(command: str, module, multirun: bool, runtime_path: str | None):
 
         from megapipe.config import with_runtime_file
 
+        from megapipe.commands import painter
+
         directory = str(cfg.output.get("dir") or HydraConfig.get().runtime.output_dir)
         try:
             module.run(module.prepare(_with_command_line(with_runtime_file(cfg, runtime_path))), directory=directory)
+            painter.finish()  # this job's pictures, before the next job starts
         except MegapipeError as exc:
             code = _fail(command, str(exc))
             if not multirun:
