@@ -141,7 +141,8 @@ def fits_line(rows: Sequence[Row]) -> str:
     """How many runs, as they ran, fit megapipe's memory model, and which do not."""
     misses = [row.resolved.run.id for row in rows if not row.resolved.fits]
     text = f"memory: {len(rows) - len(misses)} of {len(rows)} runs fit megapipe's memory model as they ran"
-    return text + (f"; {len(misses)} do not: {', '.join(misses)}" if misses else "")
+    verb = "does" if len(misses) == 1 else "do"
+    return text + (f"; {len(misses)} {verb} not: {', '.join(misses)}" if misses else "")
 
 
 def markdown_table(rows: Sequence[Row], summaries: Sequence[Summary], *, runtime: RuntimeSpec, command: str) -> str:
