@@ -324,3 +324,22 @@ def test_the_answer_does_not_depend_on_the_processes_that_search():
                  policy.weighted_flops_per_s) for policy in (result.packed, *result.baselines)]
 
     assert summary(alone) == summary(pooled) and alone.searches == pooled.searches
+
+
+def test_pack_runs_on_the_node_count_its_job_list_is_written_for(tmp_path, capsys):
+    """The command line names no cluster size: the job list's num_nodes holds, and the console says where it came
+    from (the default run said lab_mix's 64 x 8 H100 and packed the cluster's 16 nodes)."""
+    conf = tmp_path / "conf" / "jobs"
+    conf.mkdir(parents=True)
+    (conf / "two.yaml").write_text(
+        "defaults: [base_jobs, _self_]\nname: two\nnum_nodes: 2\njobs:\n"
+        "  - {name: a, model: llama3_8b, global_batch_size: 64, tokens: 1.0e9}\n"
+        "  - {name: b, model: llama3_8b, global_batch_size: 32, tokens: 1.0e9}\n")
+    assert main(["pack", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "jobs=two", "pack.node_counts=[1,2]",
+                 "output.pictures=false", f"output.dir={tmp_path / 'out'}"]) == 0
+    out = capsys.readouterr().out
+    assert "2 jobs on 2 h100_80gb nodes (16 GPUs" in out and "the node count two is written for" in out
+    assert main(["pack", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "jobs=two", "cluster.num_nodes=4",
+                 "pack.node_counts=[1,2]", "output.pictures=false", f"output.dir={tmp_path / 'four'}"]) == 0
+    out = capsys.readouterr().out
+    assert "2 jobs on 4 h100_80gb nodes (32 GPUs" in out and "written for" not in out
