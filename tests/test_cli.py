@@ -240,6 +240,6 @@ def test_simulate_says_what_it_timed_what_write_up_means_and_where_the_files_wen
     assert main(["simulate", "schedule=1f1b", "parallel.pipeline_model_parallel_size=8", "train.num_microbatches=32",
                  "output.pictures=false"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("megapipe simulate: llama3_70b on 128 x h100_80gb (cost model), TP=4 CP=1 DP=4 PP=8, "
+    assert lines[0].startswith("megapipe simulate: llama3_70b on 128 h100_80gb GPUs (16 nodes of 8) (cost model), TP=4 CP=1 DP=4 PP=8, "
                                "32 microbatches")
     assert not any(line.startswith("files in") for line in lines) and not (tmp_path / "outputs").exists()

@@ -184,7 +184,7 @@ def test_pack_writes_assignments_baselines_and_a_plan_dir_per_job(packed):
         assert f"--pipeline-model-parallel-size {assignment['pipeline_model_parallel_size']}" in args
         plan = yaml.safe_load((packed / "jobs" / assignment["job"] / "plan.yaml").read_text())
         assert plan["best"]["parallel"]["data_parallel_size"] * assignment["tensor_model_parallel_size"] * \
-            assignment["pipeline_model_parallel_size"] == assignment["gpus"]
+            assignment["pipeline_model_parallel_size"] * assignment["context_parallel_size"] == assignment["gpus"]
         for name in ("bridge_overrides.txt", "nemo2_overrides.txt", "nemo1_overrides.txt", "launch_megatron.sh",
                      "launch_slurm.sbatch"):
             assert (packed / "jobs" / assignment["job"] / name).stat().st_size > 0

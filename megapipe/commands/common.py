@@ -38,6 +38,13 @@ _PIPED_WIDTH = 160
 """Columns when stdout is not a terminal: rich would fold tables into 80."""
 
 
+def gpus_phrase(cluster) -> str:
+    """The cluster in GPUs, and the nodes they are in: "128 h100_80gb GPUs (16 nodes of 8)"; each GPU type of a
+    mixed cluster by its count."""
+    gpus = " + ".join(f"{group.num_nodes * cluster.gpus_per_node} {group.gpu.name}" for group in cluster.node_groups)
+    return f"{gpus} GPUs ({cluster.num_nodes} nodes of {cluster.gpus_per_node})"
+
+
 def warn(message: str) -> None:
     """One warning line on stderr."""
     print(f"warning: {message}", file=sys.stderr)

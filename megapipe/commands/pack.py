@@ -157,9 +157,9 @@ def run(job: PackInputs, *, directory: str) -> None:
 
 
 def _title(result, cluster, nodes_source: str | None) -> str:
-    groups = ", ".join(f"{g.num_nodes} {g.gpu.name} nodes" for g in cluster.node_groups)
+    groups = " + ".join(f"{g.num_nodes} {g.gpu.name}" for g in cluster.node_groups)
     source = f"; {nodes_source}" if nodes_source else ""
-    return (f"megapipe pack: {len(result.jobs)} jobs on {groups} ({cluster.num_gpus} GPUs, {cluster.gpus_per_node} "
+    return (f"megapipe pack: {len(result.jobs)} jobs on {groups} nodes ({cluster.num_gpus} GPUs, {cluster.gpus_per_node} "
             f"per node{source}), objective {result.objective}: {AIMS[result.objective]}")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megapipe.commands import painter
-from megapipe.commands.common import console, matched_profile, print_json
+from megapipe.commands.common import console, gpus_phrase, matched_profile, print_json
 from megapipe.config import Scenario, recorded_inputs, to_scenario
 from megapipe.config.options import output_options, search_options
 from megapipe.emit import BridgeKeys, launch_line
@@ -266,8 +266,7 @@ def _plans_table(result: SearchResult, *, scenario: Scenario, reference: Referen
     from rich.table import Table
 
     train, model, cluster = scenario.train, scenario.model, scenario.cluster
-    title = (f"megapipe plan: {model.name} on {cluster.num_gpus} x {cluster.gpu.name}"
-             + (" (mixed)" if cluster.is_heterogeneous else "")
+    title = (f"megapipe plan: {model.name} on {gpus_phrase(cluster)}"
              + f", seq_length {train.seq_length:,} ({scenario.seq_length_source}), global batch "
              f"{train.global_batch_size:,} ({train.global_batch_size * train.seq_length / 1e6:,.1f}M tokens), "
              f"{train.precision}")

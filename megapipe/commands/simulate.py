@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megapipe.commands import painter
-from megapipe.commands.common import console, pipeline_p2p, print_json, scenario_profile, stage_specs_of, stage_times
+from megapipe.commands.common import console, gpus_phrase, pipeline_p2p, print_json, scenario_profile, stage_specs_of, stage_times
 from megapipe.config import Scenario, stage_times_of, to_scenario
 from megapipe.config.options import output_options
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError
@@ -171,8 +171,7 @@ def _title(job: SimulateInputs, rows: dict) -> str:
         return f"megapipe simulate: the stage_times given, {pipeline}"
     par, train, cluster = scenario.parallel, scenario.train, scenario.cluster
     costs = f"profile {job.profile_path}" if job.profile_path else "cost model"
-    return (f"megapipe simulate: {scenario.model.name} on {cluster.num_gpus} x {cluster.gpu.name}"
-            f"{' (mixed)' if cluster.is_heterogeneous else ''} ({costs}), TP={par.tensor_model_parallel_size} "
+    return (f"megapipe simulate: {scenario.model.name} on {gpus_phrase(cluster)} ({costs}), TP={par.tensor_model_parallel_size} "
             f"CP={par.context_parallel_size} DP={par.data_parallel_size} {pipeline}, micro-batch "
             f"{train.micro_batch_size}, seq_length {train.seq_length:,}, {train.precision}")
 
