@@ -204,8 +204,9 @@ def test_committed_runtime_is_the_fit_on_the_public_runs():
 
 def test_a_fit_prices_each_run_on_the_runtime_as_it_reads_it():
     """RunSet.step_time_s prices a run on its generation's scales, its host CPU's kernel cost and no step overhead,
-    then adds the overhead: the same seconds, to the bit, as predicting on the whole runtime, for every public run;
-    a runtime that differs only in another generation's scale or the overhead is not priced again."""
+    then adds the overhead, and re-prices a fixed split without partitioning it again: the same seconds, to the
+    bit, as predicting on the whole runtime, for every public run; a runtime that differs only in another
+    generation's scale or the overhead is not priced again."""
     from megapipe.validation.predict import predict_step_s
 
     runs = read_runs()
@@ -216,9 +217,12 @@ def test_a_fit_prices_each_run_on_the_runtime_as_it_reads_it():
                                           "attention_efficiency_scale.hopper": 0.75, "step_overhead_ms": 61.5,
                                           "moe_dropless_imbalance": 1.2})
     priced = RunSet(resolved, clusters)
-    for index, item in enumerate(resolved):
-        whole = predict_step_s(item, run_cluster(item.run, clusters[index], runtime))
-        assert priced.step_time_s(index, runtime) == whole, item.run.id
+    again = with_values(runtime, {"gemm_efficiency_scale.hopper": 0.82, "gemm_efficiency_scale.blackwell": 0.8,
+                                  "gemm_efficiency_scale.ampere": 0.72, "host_kernel_us.grace": 50.0})
+    for index, item in enumerate(resolved):  # the second price reuses the run's split when it is fixed
+        for each in (runtime, again):
+            whole = predict_step_s(item, run_cluster(item.run, clusters[index], each))
+            assert priced.step_time_s(index, each) == whole, item.run.id
     elsewhere = with_values(runtime, {"gemm_efficiency_scale.ampere": 0.6, "step_overhead_ms": 70.0})
     hopper = [index for index, item in enumerate(resolved) if clusters[index].gpu.architecture == "hopper"]
     before = sum(len(cache) for cache in priced._parts)

@@ -138,7 +138,7 @@ class Evaluator:
             layers, choices = self.costs.profile(cand).layers, ()
         times = stage_times(layers=layers, entries_per_stage=part.entries_per_stage, stage_to_rank=part.stage_to_rank,
                             specs=specs)
-        sums = self._rank_sums(cand, layers, part, times, gpus)
+        sums = self._rank_sums(cand, layers, part.entries_per_stage, part.stage_to_rank, times, gpus)
         floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=part.stage_to_rank, fwd_ms=times.fwd_ms,
                                   bwd_ms=times.bwd_ms, num_microbatches=cand.num_microbatches)
         floor += self.cluster.runtime.step_overhead_ms
@@ -191,7 +191,20 @@ class Evaluator:
         """Partition, simulate and price one candidate; raises InfeasibleError / ScheduleError."""
         return self.finish(self.prepare(cand, method=method, gpus=gpus, check_memory=check_memory))
 
-    def _rank_sums(self, cand: Candidate, layers, part: Partition, times: StageTimes, gpus) -> _RankSums:
+    def split_step_parts_ms(self, cand: Candidate, entries_per_stage: tuple[int, ...],
+                            stage_to_rank: tuple[int, ...]) -> tuple[float, float, float]:
+        """:meth:`step_parts_ms` of a split already known (a fit re-prices one run's fixed split many times),
+        without the partition record: the same stage times, rank sums and simulation, so the same numbers."""
+        gpus = (self.cluster.gpu,) * cand.parallel.pipeline_model_parallel_size
+        layers = self.costs.profile(cand).layers
+        times = stage_times(layers=layers, entries_per_stage=entries_per_stage, stage_to_rank=stage_to_rank,
+                            specs=self.costs.stage_specs(cand, gpus))
+        sums = self._rank_sums(cand, layers, entries_per_stage, stage_to_rank, times, gpus)
+        p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
+        return simulate_step_ms(self.schedule(cand), times, p2p=p2p), sums.sync_ms, sums.optimizer_ms
+
+    def _rank_sums(self, cand: Candidate, layers, entries_per_stage, stage_to_rank, times: StageTimes,
+                   gpus) -> _RankSums:
         par, train = cand.parallel, cand.train
         pp = par.pipeline_model_parallel_size
         static = [0.0] * pp
@@ -200,8 +213,8 @@ class Evaluator:
         fwd = [0.0] * pp
         bwd = [0.0] * pp
         start = 0
-        for stage, count in enumerate(part.entries_per_stage):
-            rank = part.stage_to_rank[stage]
+        for stage, count in enumerate(entries_per_stage):
+            rank = stage_to_rank[stage]
             chunk = layers[start:start + count]
             start += count
             static[rank] += sum(layer.static_bytes for layer in chunk)

@@ -70,6 +70,8 @@ class RunSet:
         self._schedules: list[dict] = [{} for _ in self.resolved]
         self._parts: list[dict] = [{} for _ in self.resolved]
         """Per run: its step before the per-step overhead, by the runtime as the run reads it (:func:`seen_by`)."""
+        self._splits: list[tuple | None] = [None] * len(self.resolved)
+        """Per run: its split, where it does not depend on the layer times (priced without partitioning again)."""
 
     def __len__(self) -> int:
         return len(self.resolved)
@@ -87,8 +89,9 @@ class RunSet:
         seen = seen_by(runtime, cluster, moe=run.run.model.is_moe)
         parts = self._parts[index].get(seen)
         if parts is None:
-            parts = self._parts[index][seen] = predict_step_parts(
-                run, dataclasses.replace(cluster, runtime=seen), schedules=self._schedules[index])
+            parts, self._splits[index] = predict_step_parts(run, dataclasses.replace(cluster, runtime=seen),
+                                                            schedules=self._schedules[index], split=self._splits[index])
+            self._parts[index][seen] = parts
         return step_seconds(parts, runtime.step_overhead_ms)
 
     def times(self, index: int, runtime: RuntimeSpec) -> tuple[float, tuple[float, ...]]:

@@ -98,12 +98,21 @@ def _prepare(evaluator: Evaluator, cand: Candidate, layout: str = ""):
     """The run's own layout when it has one; else Megatron's default equal split, and where the decoders cannot
     fill the stages equally (the run gave a layout with the embedding and loss in stages of their own),
     megapipe's optimal split stands in."""
+    return _prepared_split(evaluator, cand, layout)[0]
+
+
+def _prepared_split(evaluator: Evaluator, cand: Candidate, layout: str = ""):
+    """(:func:`_prepare`'s candidate, its split as (entries per stage, stage ranks) when the split does not depend
+    on the layer times (the run's layout, or the equal split), else None)."""
     if layout:
-        return evaluator.prepare(cand, layout=layout, check_memory=False)
-    try:
-        return evaluator.prepare(cand, method="equal", check_memory=False)
-    except InfeasibleError:
-        return evaluator.prepare(cand, method="optimal", check_memory=False)
+        prepared = evaluator.prepare(cand, layout=layout, check_memory=False)
+    else:
+        try:
+            prepared = evaluator.prepare(cand, method="equal", check_memory=False)
+        except InfeasibleError:
+            return evaluator.prepare(cand, method="optimal", check_memory=False), None
+    part = prepared.partition
+    return prepared, (part.entries_per_stage, part.stage_to_rank)
 
 
 def _evaluate(evaluator: Evaluator, cand: Candidate, layout: str = "") -> Plan:
@@ -173,12 +182,16 @@ def predict_step_s(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict 
     return evaluator.step_time_s(_prepare(evaluator, cand, resolved.layout))
 
 
-def predict_step_parts(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None
-                       ) -> tuple[float, float, float]:
-    """:func:`predict_step_s` before the per-step overhead: (pipeline, DP sync, optimizer) ms
-    (:func:`megapipe.plan.evaluator.step_seconds` adds it)."""
+def predict_step_parts(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None,
+                       split: tuple | None = None) -> tuple[tuple[float, float, float], tuple | None]:
+    """:func:`predict_step_s` before the per-step overhead: ((pipeline, DP sync, optimizer) ms, the run's split
+    when it does not depend on the layer times); :func:`megapipe.plan.evaluator.step_seconds` adds the overhead.
+    ``split``: that split from an earlier call, so the run is priced without partitioning it again."""
     evaluator, cand = _evaluator_of(resolved, cluster, schedules)
-    return evaluator.step_parts_ms(_prepare(evaluator, cand, resolved.layout))
+    if split is not None:
+        return evaluator.split_step_parts_ms(cand, *split), split
+    prepared, split = _prepared_split(evaluator, cand, resolved.layout)
+    return evaluator.step_parts_ms(prepared), split
 
 
 def predict_times(resolved: Resolved, cluster: ClusterSpec, *, schedules: dict | None = None
