@@ -23,10 +23,11 @@ layer's time :mod:`megapipe.cost.decoder`'s (attention, MLP, context parallelism
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from megapipe.cost.comm import Collective, p2p_link, tensor_parallel_link
-from megapipe.cost.decoder import decoder_timing
+from megapipe.cost.decoder import FixedParts, decoder_parts, decoder_timing, fixed_shapes, shapes_of_key
 from megapipe.cost.flops import eh_proj_gemm, output_gemms
 from megapipe.cost.linear import linear_timing, memory_timing, tp_ms
 from megapipe.cost.memory import (
@@ -58,9 +59,11 @@ from megapipe.records import (
     TrainSpec,
 )
 
-__all__ = ["layer_costs", "distinct_units", "unit_runs", "unit_times", "unit_bytes", "unit_cost", "UnitBytes",
-           "BYTES_FEATURES", "bytes_features"]
+__all__ = ["layer_costs", "distinct_units", "unit_runs", "unit_times", "unit_bytes", "unit_cost", "unit_kind",
+           "UnitBytes", "BYTES_FEATURES", "bytes_features"]
 
+_FIXED_CACHE = 4096
+"""Unit shapes whose fixed times stay cached (a search meets a few hundred)."""
 _CROSS_ENTROPY_ALL_REDUCES = 3
 """Max, target logit and sum of exp, each a [s, b] fp32 all-reduce (Megatron's vocab_parallel_cross_entropy)."""
 
@@ -87,12 +90,7 @@ def _output_timing(shapes: Shapes, device: Device) -> Timing:
     return timing + part("tp_comm", loss)
 
 
-def _mtp_timing(shapes: Shapes, device: Device, *, decoder: Timing, output: Timing, embedding: Timing) -> Timing:
-    """eh_proj GEMM, one decoder layer (with its recompute), the shared head and loss, and the input lookup (the
-    decoder, output and embedding timings given, as the units' own)."""
-    return linear_timing(eh_proj_gemm(shapes), shapes, device) + decoder + output + embedding
-
-
+@functools.lru_cache(maxsize=64)
 def unit_runs(model: ModelSpec) -> tuple[tuple[str, int], ...]:
     """The profile's units in order as (unit key, repeat count): ``embedding``, runs of ``dense`` and
     ``moe`` decoder layers as ``moe_layer_freq`` has them, ``mtp`` (of the last decoder layer's kind) and
@@ -176,16 +174,34 @@ def unit_times(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel
     )
     keys = {key for key, _ in unit_runs(model)}
     last_moe = _last_moe(model)
+    kinds = tuple(moe for key, moe in (("dense", False), ("moe", True))
+                  if key in keys or ("mtp" in keys and moe == last_moe))
+    decoders, (embedding, output, eh_proj) = _fixed_times(fixed_shapes(shapes), device, kinds)
     out: dict[str, Timing] = {}
-    for key, moe in (("dense", False), ("moe", True)):
-        if key in keys or ("mtp" in keys and moe == last_moe):
-            out[key] = decoder_timing(shapes, device, moe=moe)
-    embedding, output = _embedding_timing(shapes, device), _output_timing(shapes, device)
+    for moe, fixed in zip(kinds, decoders):
+        out["moe" if moe else "dense"] = decoder_timing(shapes, device, moe=moe, fixed=fixed)
     if "mtp" in keys:
-        out["mtp"] = _mtp_timing(shapes, device, decoder=out["moe" if last_moe else "dense"], output=output,
-                                 embedding=embedding)
+        # eh_proj GEMM, one decoder layer (with its recompute), the shared head and loss, and the input lookup
+        out["mtp"] = eh_proj + out["moe" if last_moe else "dense"] + output + embedding
     out["embedding"], out["output"] = embedding, output
     return {key: out[key] for key in _UNIT_ORDER if key in keys}
+
+
+@functools.lru_cache(maxsize=_FIXED_CACHE)
+def _fixed_times(key: tuple, device: Device, kinds: tuple[bool, ...]
+                 ) -> tuple[tuple[FixedParts, ...], tuple[Timing, Timing, Timing]]:
+    """:func:`fixed_unit_times` of the shapes ``key`` stands for (:func:`~megapipe.cost.decoder.fixed_shapes`),
+    cached."""
+    return fixed_unit_times(shapes_of_key(key), device, kinds)
+
+
+def fixed_unit_times(shapes: Shapes, device: Device, kinds: tuple[bool, ...]
+                     ) -> tuple[tuple[FixedParts, ...], tuple[Timing, Timing, Timing]]:
+    """What no runtime feature and no recompute setting changes: the decoders' fixed parts (MoE or not, by
+    ``kinds``), and the embedding's, the output's and an MTP block's eh_proj times."""
+    return (tuple(decoder_parts(shapes, device, moe) for moe in kinds),
+            (_embedding_timing(shapes, device), _output_timing(shapes, device),
+             linear_timing(eh_proj_gemm(shapes), shapes, device)))
 
 
 _UNIT_ORDER = ("dense", "moe", "mtp", "embedding", "output")
@@ -195,8 +211,13 @@ _KINDS = {"dense": LayerKind.decoder, "moe": LayerKind.decoder, "mtp": LayerKind
 
 def _last_moe(model: ModelSpec) -> bool:
     """Whether the last decoder layer (the kind of the MTP blocks' decoder) is a MoE layer."""
-    pattern = model.moe_layers
-    return bool(pattern and pattern[-1])
+    decoders = [key for key, _ in unit_runs(model) if key in ("dense", "moe")]
+    return bool(decoders) and decoders[-1] == "moe"
+
+
+def unit_kind(key: str) -> LayerKind:
+    """The pipeline unit kind of unit ``key`` (:func:`unit_runs`' keys)."""
+    return _KINDS[key]
 
 
 def unit_cost(key: str, timing: Timing, sizes: UnitBytes) -> LayerCost:

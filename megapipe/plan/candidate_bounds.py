@@ -211,31 +211,32 @@ class CandidateBounds:
         par = cand.parallel
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
         least = least_in_flight(cand.schedule, pp, m)
-        layers, kinds = self._decoder_kinds(cand)
+        ends, kinds = self._decoder_kinds(cand)
         if not kinds:
             totals = self.totals(cand)
             return (totals.static_bytes + totals.act_bytes) / pp
         pinned = [0.0] * pp
         last_rank = spec(cand.schedule).loss_rank(pp)
-        for layer, rank in ((layers[0], 0), (layers[-1], last_rank)):
-            if layer.kind != LayerKind.decoder:
-                pinned[rank] += layer.static_bytes + least[rank] * layer.act_bytes
+        for (kind, static, act), rank in zip(ends, (0, last_rank)):
+            if kind != LayerKind.decoder:
+                pinned[rank] += static + least[rank] * act
         # For each decoder kind d (dense, MoE): the layers at least as heavy as d, each costed as d, must
         # fit on their own (the other layers only add), so every such water level bounds the fullest rank.
         return max(water_level(pinned, [static + k * act for k in least], heavier) for static, act, heavier in kinds)
 
     def _decoder_kinds(self, cand: Candidate) -> tuple[tuple, tuple[tuple[float, float, int], ...]]:
-        """The bound profile and, per distinct decoder entry, (static bytes, activation bytes, how many decoders
-        are at least as heavy in both); per layer key and DP."""
-        key = cand.layer_key + (cand.parallel.data_parallel_size,)
-        found = self._kinds.get(key)
+        """(kind, static, act) of the profile's first and last entries and, per distinct decoder unit, (static
+        bytes, activation bytes, how many decoders are at least as heavy in both); per bytes, from the units'
+        bytes alone (a candidate the memory bound prunes is never timed)."""
+        runs = self.costs.bytes_runs(cand)
+        found = self._kinds.get(runs)
         if found is None:
-            layers = self.costs.bound_layers(cand)
-            decoders = [layer for layer in layers if layer.kind == LayerKind.decoder]
-            distinct = {id(layer): layer for layer in decoders}.values()
-            found = self._kinds[key] = (layers, tuple(
-                (d.static_bytes, d.act_bytes, sum(1 for e in decoders if e.static_bytes >= d.static_bytes
-                                                  and e.act_bytes >= d.act_bytes)) for d in distinct))
+            decoders = [(static, act, count) for kind, static, act, count in runs if kind == LayerKind.decoder]
+            distinct = dict.fromkeys((static, act) for static, act, _ in decoders)
+            ends = (runs[0][:3], runs[-1][:3])
+            found = self._kinds[runs] = (ends, tuple(
+                (static, act, sum(count for s, a, count in decoders if s >= static and a >= act))
+                for static, act in distinct))
         return found
 
     def split_can_fit(self, cand: Candidate, gpus: tuple[GpuSpec, ...] | None = None) -> bool:

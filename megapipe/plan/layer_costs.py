@@ -73,6 +73,13 @@ class LayerCosts:
             return self.fixed_profile.layers, (1,) * len(self.fixed_profile.layers)
         return self._unit_costs.runs(cand, self.cluster.gpu)
 
+    def bytes_runs(self, cand: Candidate) -> tuple[tuple[LayerKind, float, float, int], ...]:
+        """(kind, static bytes, activation bytes, repeat count) per run of the profile, in order, without timing
+        anything (a measured profile: each entry once)."""
+        if self.fixed_profile is not None:
+            return tuple((layer.kind, layer.static_bytes, layer.act_bytes, 1) for layer in self.fixed_profile.layers)
+        return self._unit_costs.bytes_runs(cand)
+
     def unit_signature(self, cand: Candidate) -> tuple[tuple[float, ...], object]:
         """Each distinct unit's forward, backward and weight-gradient ms on the cluster's first GPU, flat, and a
         token for the units' bytes: candidates that differ only in their runtime features and share the token hold

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from itertools import chain, repeat
 
-from megapipe.cost.layers import UnitBytes, bytes_features, unit_bytes, unit_cost, unit_runs, unit_times
+from megapipe.cost.layers import UnitBytes, bytes_features, unit_bytes, unit_cost, unit_kind, unit_runs, unit_times
 from megapipe.cost.timing import Timing
 from megapipe.plan.plans import Candidate
-from megapipe.records import ClusterSpec, GpuSpec, LayerCost, ModelSpec, RuntimeFeatures
+from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec, RuntimeFeatures
 
 __all__ = ["SharedCosts", "UnitCosts", "repeated_sum"]
 
@@ -85,6 +85,12 @@ class UnitCosts:
         """The profile's entries (names aside), each unit repeated by reference."""
         units, counts = self.runs(cand, gpu)
         return tuple(chain.from_iterable(map(repeat, units, counts)))
+
+    def bytes_runs(self, cand: Candidate) -> tuple[tuple[LayerKind, float, float, int], ...]:
+        """(kind, static bytes, activation bytes, repeat count) of each run of units in profile order: what memory
+        bounds read, without timing a unit (the same numbers as :meth:`runs`' units)."""
+        sizes = self._sizes(cand)
+        return tuple((unit_kind(key), sizes[key].static_bytes, sizes[key].act_bytes, count) for key, count in self._runs)
 
     def times(self, cand: Candidate, gpu: GpuSpec) -> dict[str, Timing]:
         """Each distinct unit's time by unit key (:func:`megapipe.cost.layers.unit_times`); it reads neither the
