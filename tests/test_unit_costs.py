@@ -12,8 +12,8 @@ import pytest
 from megapipe.config import compose, to_scenario
 from megapipe.config.options import search_options
 from megapipe.cost.comm import p2p_link, tensor_parallel_link
-from megapipe.cost.decoder import _fixed_key, _fixed_parts
-from megapipe.cost.layers import BYTES_FEATURES, unit_bytes
+from megapipe.cost.decoder import decoder_parts, fixed_parts, fixed_shapes
+from megapipe.cost.layers import BYTES_FEATURES, _fixed_times, fixed_unit_times, unit_bytes
 from megapipe.cost.memory import (
     decoder_activation_bytes,
     embedding_activation_bytes,
@@ -65,8 +65,8 @@ def _device(scenario, parallel, shapes):
           context_parallel_size=2, data_parallel_size=4, expert_model_parallel_size=4)),
 ])
 def test_fixed_decoder_parts_read_no_feature_and_no_recompute(overrides, parallel):
-    """The cached parts of a decoder's time, read through the key without features and recompute, equal those read
-    with the candidate's own features and recompute setting."""
+    """The cached parts of a decoder's time, and the embedding's, output's and eh_proj's times, read through the key
+    without features and recompute, equal those read with the candidate's own features and recompute setting."""
     scenario = _scenario(*overrides)
     padded = (dataclasses.replace(_FEATURE_SETS[0], moe_router_padding_for_quantization=True),)
     for features, recompute in itertools.product(_FEATURE_SETS + padded, Recompute):
@@ -75,7 +75,9 @@ def test_fixed_decoder_parts_read_no_feature_and_no_recompute(overrides, paralle
         shapes = shapes_of(model=scenario.model, parallel=par, train=train)
         device = _device(scenario, par, shapes)
         for moe in (False, True):
-            assert _fixed_parts(_fixed_key(shapes), device, moe) == _fixed_parts.__wrapped__(shapes, device, moe)
+            assert fixed_parts(fixed_shapes(shapes), device, moe) == decoder_parts(shapes, device, moe)
+        kinds = (False, True)
+        assert _fixed_times(fixed_shapes(shapes), device, kinds) == fixed_unit_times(shapes, device, kinds)
 
 
 def _direct_bytes(model, parallel, train) -> dict:

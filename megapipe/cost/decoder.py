@@ -3,7 +3,7 @@ kernels, FP8 casts, then what the runtime features change (the MoE layer's dispa
 launches under CUDA graphs, what selective recompute runs again).
 
 The first parts read the layer's shapes and the device but no runtime feature (bar FP8's routing-map padding)
-and not the recompute setting, so they are costed once per such shape (:func:`_fixed_parts`, a cache on a pure
+and not the recompute setting, so they are costed once per such shape (:func:`fixed_parts`, a cache on a pure
 function of frozen records) and each feature set and recompute setting adds its own parts to the same numbers:
 a search that tries a dozen feature sets at every size prices the GEMMs once.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 from megapipe.cost.comm import p2p_ms
@@ -38,14 +39,14 @@ from megapipe.cost.traffic import (
 )
 from megapipe.records import Recompute, RuntimeFeatures
 
-__all__ = ["decoder_timing", "timing_sum"]
+__all__ = ["FixedParts", "decoder_timing", "decoder_parts", "fixed_parts", "fixed_shapes", "shapes_of_key", "timing_sum"]
 
 _FIXED_CACHE = 4096
 """Decoder shapes whose fixed parts stay cached (a search meets a few hundred)."""
 
 
 @dataclass(frozen=True, slots=True)
-class _FixedParts:
+class FixedParts:
     """What no runtime feature and no recompute setting changes in a decoder layer's time."""
 
     core: Timing
@@ -98,14 +99,21 @@ def _ring_exchange(shapes: Shapes, core: Timing, device: Device) -> Timing:
     return part("cp_comm", forward, backward)
 
 
-def _fixed_key(shapes: Shapes) -> Shapes:
-    """The shapes as :func:`_fixed_parts` reads them: without the runtime features (but the FP8 routing-map
-    padding, which sets the experts' rows) and the recompute setting."""
-    padding = shapes.features.moe_router_padding_for_quantization
-    features = _PADDED if padding else _PLAIN
-    if shapes.features == features and shapes.recompute == Recompute.none:
-        return shapes
-    return dataclasses.replace(shapes, features=features, recompute=Recompute.none)
+_KEY_FIELDS = tuple(field.name for field in dataclasses.fields(Shapes) if field.name not in ("features", "recompute"))
+_key_values = operator.attrgetter(*_KEY_FIELDS)
+
+
+def fixed_shapes(shapes: Shapes) -> tuple:
+    """The shapes as the fixed parts of a unit's time read them, a plain tuple (:func:`fixed_parts`): every field
+    but the runtime features (save FP8's routing-map padding, which sets the experts' rows) and the recompute
+    setting."""
+    return _key_values(shapes) + (shapes.features.moe_router_padding_for_quantization,)
+
+
+def shapes_of_key(key: tuple) -> Shapes:
+    """The shapes a :func:`fixed_shapes` key stands for: no feature but the padding, no recompute."""
+    *values, padding = key
+    return Shapes(**dict(zip(_KEY_FIELDS, values)), features=_PADDED if padding else _PLAIN, recompute=Recompute.none)
 
 
 _PLAIN = RuntimeFeatures()
@@ -113,7 +121,12 @@ _PADDED = RuntimeFeatures(moe_router_padding_for_quantization=True)
 
 
 @functools.lru_cache(maxsize=_FIXED_CACHE)
-def _fixed_parts(shapes: Shapes, device: Device, moe: bool) -> _FixedParts:
+def fixed_parts(key: tuple, device: Device, moe: bool) -> FixedParts:
+    """:func:`decoder_parts` of the shapes ``key`` stands for (:func:`fixed_shapes`), cached."""
+    return decoder_parts(shapes_of_key(key), device, moe)
+
+
+def decoder_parts(shapes: Shapes, device: Device, moe: bool) -> FixedParts:
     """The parts of :func:`decoder_timing` that read neither the features nor the recompute setting."""
     core = _attention_core(shapes, device)
     attention = core + _ring_exchange(shapes, core, device)
@@ -125,13 +138,14 @@ def _fixed_parts(shapes: Shapes, device: Device, moe: bool) -> _FixedParts:
     timing = timing + memory_timing("memory_bound", traffic, 2 * traffic, decoder_kernels(shapes, moe=moe), device)
     timing = timing + memory_timing("fp8_cast", *fp8_cast_traffic_bytes(shapes, moe=moe),
                                     fp8_cast_kernels(shapes, moe=moe), device)
-    return _FixedParts(core=core, attention=attention, projections=tuple(projections.items()),
-                       mlp=tuple(mlp.items()), timing=timing)
+    return FixedParts(core=core, attention=attention, projections=tuple(projections.items()),
+                      mlp=tuple(mlp.items()), timing=timing)
 
 
-def decoder_timing(shapes: Shapes, device: Device, *, moe: bool = False) -> Timing:
-    """One decoder layer's forward, backward and weight-gradient time, by part."""
-    fixed = _fixed_parts(_fixed_key(shapes), device, moe)
+def decoder_timing(shapes: Shapes, device: Device, *, moe: bool = False, fixed: FixedParts | None = None) -> Timing:
+    """One decoder layer's forward, backward and weight-gradient time, by part; ``fixed``: its
+    :func:`fixed_parts`, when the caller has them."""
+    fixed = fixed or fixed_parts(fixed_shapes(shapes), device, moe)
     mlp = dict(fixed.mlp)
     extra = moe_timing(shapes, device, attention=fixed.attention, mlp=mlp) if moe else Timing()
     timing = fixed.timing + extra
@@ -145,7 +159,7 @@ def decoder_timing(shapes: Shapes, device: Device, *, moe: bool = False) -> Timi
     return timing
 
 
-def _pieces(shapes: Shapes, device: Device, *, fixed: _FixedParts, mlp: dict[str, Timing], moe_extra: Timing,
+def _pieces(shapes: Shapes, device: Device, *, fixed: FixedParts, mlp: dict[str, Timing], moe_extra: Timing,
             moe: bool) -> dict[str, float]:
     """Each recompute module's forward ms for this layer: what selective recompute runs again in the backward,
     all of it under full recompute (Korthikanti et al. 2022, Sec. 5): core attention by default, the norms,

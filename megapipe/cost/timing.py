@@ -5,6 +5,7 @@ device a unit is costed on. Shared by the dense (:mod:`megapipe.cost.layers`) an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import add
 
 from megapipe.records import TIME_PARTS, ClusterSpec, GpuSpec, LinkSpec, RuntimeSpec
 
@@ -24,7 +25,7 @@ class Timing:
 
     def __add__(self, other: "Timing") -> "Timing":
         return Timing(self.fwd_ms + other.fwd_ms, self.bwd_ms + other.bwd_ms, self.wgrad_ms + other.wgrad_ms,
-                      tuple(a + b for a, b in zip(self.parts, other.parts)))
+                      tuple(map(add, self.parts, other.parts)))
 
     def share(self, name: str) -> float:
         """Forward + backward milliseconds of one part."""
@@ -46,3 +47,8 @@ class Device:
     runtime: RuntimeSpec
     tp_comm_overlap: bool
     cluster: ClusterSpec
+
+    def __hash__(self) -> int:
+        # Hashing every record it holds takes ~20 us and caches key on devices; equal devices agree on these.
+        return hash((self.gpu.name, self.tp_comm_overlap, self.link.bandwidth_gbytes_per_s,
+                     self.cp_link.bandwidth_gbytes_per_s, self.cluster.name))
