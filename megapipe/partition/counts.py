@@ -69,11 +69,12 @@ class CountSearch:
         out = []
         for stage in range(len(self.ranks)):
             scale = self.stages[self.ranks[stage]].time_scale
-            spare = bottleneck / scale - pins.extra[stage][0] if scale > 0 else math.inf
-            if unit > 0:
+            limit = bottleneck / scale if scale > 0 else math.inf
+            spare = limit - pins.extra[stage][0]
+            if unit * n > _EPS * max(1.0, limit):
                 top = int(math.floor(spare / unit + _EPS))
-            else:  # decoders take no time: only the pinned entries can exceed the bottleneck
-                top = n if spare >= 0 else -1
+            else:  # the decoders' time is lost in rounding: only the pinned entries can exceed the bottleneck
+                top = n if spare >= -_EPS * max(1.0, limit) else -1
             if top < pins.low[stage]:
                 return None
             out.append(min(top, pins.cap[stage]))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -81,6 +82,12 @@ def _extra(entries: Sequence[LayerCost]) -> tuple[float, float, float]:
 def pinned_cases(shape: PinnedShape, num_stages: int) -> Iterator[tuple[Pins, tuple[tuple[LayerKind, ...], ...]]]:
     """Every placement of the head's and the tail's entries over ``num_stages`` stages, with each stage's kinds
     (a decoder standing for the decoders a stage between them holds)."""
+    for pins, kinds, _ in _placements(shape, num_stages):
+        yield pins, kinds
+
+
+def _placements(shape: PinnedShape, num_stages: int):
+    """:func:`pinned_cases` with the entries each stage holds besides its decoders."""
     n = shape.num_decoders
     for head_parts in _compositions(len(shape.head)):
         for tail_parts in _compositions(len(shape.tail)):
@@ -102,8 +109,12 @@ def pinned_cases(shape: PinnedShape, num_stages: int) -> Iterator[tuple[Pins, tu
                 start += size
                 low[stage], cap[stage] = 0, (n if offset == 0 else 0)
             kinds = tuple(tuple(e.kind for e in piece) or (LayerKind.decoder,) for piece in pieces)
-            yield Pins(extra=tuple(_extra(piece) for piece in pieces), entries=tuple(len(piece) for piece in pieces),
-                       low=tuple(low), cap=tuple(cap)), kinds
+            pins = Pins(extra=tuple(_extra(piece) if piece else _NOTHING for piece in pieces),
+                        entries=tuple(len(piece) for piece in pieces), low=tuple(low), cap=tuple(cap))
+            yield pins, kinds, pieces
+
+
+_NOTHING = (0.0, 0.0, 0.0)
 
 
 def _allowed(kinds, pipeline_model_parallel_size: int) -> bool:
@@ -145,15 +156,111 @@ def pinned_may_fit(*, shape: PinnedShape, stages: Sequence[StageSpec], ranks: Se
     count. Exact when every rank's rows fall along its stages (every schedule's profiles do), rounding toward
     True; otherwise each memory row alone bounds a rank's total."""
     owned = rank_stages(ranks, len(stages))
-    capacity = _Capacity(shape, stages, owned, profiles)
+    arrays = [np.asarray(profile, dtype=float).reshape(-1, len(own)) for profile, own in zip(profiles, owned)]
+    table = _case_table(shape, len(ranks))
+    if len({len(own) for own in owned}) == 1 and all(len(array) for array in arrays):
+        found = _stacked_may_fit(shape, table, stages, owned, arrays)
+        if found is not None:
+            return found
+    capacity = _Capacity(shape, stages, owned, arrays)
     return any(capacity.reaches(pins) for pins, _ in pinned_cases(shape, len(ranks)))
+
+
+@dataclass(frozen=True, slots=True)
+class _CaseTable:
+    """Every placement of the ends as arrays (placements x stages): what the stage holds besides its decoders, its
+    fewest decoders and whether it may take more."""
+
+    static: np.ndarray
+    act: np.ndarray
+    low: np.ndarray
+    open: np.ndarray
+    """The stage may hold more than its fewest decoders."""
+
+
+@dataclass(frozen=True, slots=True)
+class _CaseLayout:
+    """Every placement of ``a`` head and ``b`` tail entries over the stages, without their costs."""
+
+    holds: np.ndarray
+    """Placements x stages x end entries: 1 where the stage holds the entry."""
+    low: np.ndarray
+    open: np.ndarray
+
+
+def _case_table(shape: PinnedShape, num_stages: int) -> _CaseTable:
+    """:func:`pinned_cases` as arrays, those with more fewest decoders than there are left out."""
+    layout = _case_layout(len(shape.head), len(shape.tail), num_stages, shape.num_decoders)
+    ends = shape.head + shape.tail
+    static = layout.holds @ np.array([e.static_bytes for e in ends], dtype=float).reshape(len(ends))
+    act = layout.holds @ np.array([e.act_bytes for e in ends], dtype=float).reshape(len(ends))
+    return _CaseTable(static=static, act=act, low=layout.low, open=layout.open)
+
+
+@lru_cache(maxsize=256)
+def _case_layout(head: int, tail: int, num_stages: int, num_decoders: int) -> _CaseLayout:
+    """Where every placement of the ends puts each end entry, and each stage's fewest decoders and whether it may
+    take more (:func:`pinned_cases` on placeholder entries)."""
+    marks = [LayerCost(name=str(index), kind=LayerKind.embedding if index < head else LayerKind.loss, fwd_ms=0.0,
+                       bwd_ms=0.0, wgrad_ms=0.0, static_bytes=0.0, act_bytes=0.0) for index in range(head + tail)]
+    placeholder = PinnedShape(head=tuple(marks[:head]), decoder=LayerCost(
+        name="d", kind=LayerKind.decoder, fwd_ms=0.0, bwd_ms=0.0, wgrad_ms=0.0, static_bytes=0.0, act_bytes=0.0),
+        num_decoders=num_decoders, tail=tuple(marks[head:]))
+    holds, low, open_ = [], [], []
+    for pins, _, pieces in _placements(placeholder, num_stages):
+        if sum(pins.low) > num_decoders:
+            continue
+        grid = np.zeros((num_stages, head + tail))
+        for stage, piece in enumerate(pieces):
+            for entry in piece:
+                grid[stage, int(entry.name)] = 1.0
+        holds.append(grid)
+        low.append(pins.low)
+        open_.append([cap > least for cap, least in zip(pins.cap, pins.low)])
+    layout = _CaseLayout(holds=np.array(holds).reshape(-1, num_stages, head + tail),
+                         low=np.array(low, dtype=float).reshape(-1, num_stages),
+                         open=np.array(open_, dtype=bool).reshape(-1, num_stages))
+    for array in (layout.holds, layout.low, layout.open):
+        array.setflags(write=False)
+    return layout
+
+
+def _stacked_may_fit(shape: PinnedShape, table: _CaseTable, stages, owned, arrays) -> bool | None:
+    """:func:`pinned_may_fit` for ranks of equally many stages, every placement and rank at once on their stacked
+    rows (None: some rank's rows do not fall along its stages). Back-loading with every other stage at its fewest
+    fills the last stage that may take decoders until a row's room runs out."""
+    decoder, n = shape.decoder, shape.num_decoders
+    if not len(table.low):
+        return False
+    counts = np.concatenate(arrays)  # rows x chunks, each rank's rows in turn
+    weights = decoder.static_bytes + counts * decoder.act_bytes
+    if not (weights[:, :-1] >= weights[:, 1:]).all():
+        return None
+    sizes = [len(array) for array in arrays]
+    rank_of_row = np.repeat(np.arange(len(arrays)), sizes)
+    stage_of = np.asarray(owned)[rank_of_row]  # rows x chunks: the layout stage of each column
+    room = np.array([stage.memory_bytes for stage in stages], dtype=float)[rank_of_row]
+    room = room + 2e-9 * np.maximum(1.0, np.abs(room))
+    low = table.low[:, stage_of]  # placements x rows x chunks
+    held = (table.static[:, stage_of] + counts * table.act[:, stage_of] + weights * low).sum(axis=2)
+    spare = room - held  # placements x rows
+    open_ = table.open[:, stage_of]
+    chunks = counts.shape[1]
+    last_open = chunks - 1 - np.argmax(open_[:, :, ::-1], axis=2)  # placements x rows
+    fill = np.take_along_axis(np.broadcast_to(weights, low.shape), last_open[:, :, None], axis=2)[:, :, 0]
+    most = np.where(fill > 0, np.floor(spare / np.where(fill > 0, fill, 1.0) + 1e-9), n)
+    most = np.where(open_.any(axis=2), np.minimum(most, n), 0.0)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    per_rank = np.minimum.reduceat(most, starts, axis=1) + low[:, starts, :].sum(axis=2)
+    fits = (spare >= 0).all(axis=1)
+    return bool((fits & (per_rank.sum(axis=1) >= n)).any())
 
 
 class _Capacity:
     """Each rank's largest total at no bound on the bottleneck, per what its stages hold, memoised."""
 
-    def __init__(self, shape: PinnedShape, stages, owned, profiles):
-        self.shape, self.stages, self.owned, self.profiles = shape, stages, owned, profiles
+    def __init__(self, shape: PinnedShape, stages, owned, arrays):
+        self.shape, self.stages, self.owned, self.arrays = shape, stages, owned, arrays
         self._found: dict[tuple, float] = {}
 
     def reaches(self, pins: Pins) -> bool:
@@ -173,7 +280,7 @@ class _Capacity:
     def _largest(self, rank: int, own: tuple[int, ...], pins: Pins) -> float:
         """The rank's largest total (-1 when even its fewest do not fit), leaning up by a relative 2e-9 of room."""
         decoder, n = self.shape.decoder, self.shape.num_decoders
-        counts = np.asarray(self.profiles[rank], dtype=float).reshape(-1, len(own))
+        counts = self.arrays[rank]
         weights = decoder.static_bytes + counts * decoder.act_bytes
         pinned = sum(pins.extra[s][1] + counts[:, i] * pins.extra[s][2] for i, s in enumerate(own))
         room = self.stages[rank].memory_bytes - pinned
