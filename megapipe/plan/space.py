@@ -236,7 +236,8 @@ def enumerate_candidates(
     pruned: Counter = Counter()
     out: list[Point] = []
     enumerated = 0
-    refused: dict[tuple, bool] = {}  # _feature_pruned by the few fields it reads: points repeat them many times
+    refused: dict[tuple, tuple] = {}  # _accepted by the few fields it reads: points repeat them many times
+    make = Point._make
     for tp in _tp_values(model, cluster, fixed, options):
         tp_ok = _tp_ok(tp, model, cluster, options)
         for cp in _cp_values(train.seq_length, fixed, options):
@@ -254,14 +255,14 @@ def enumerate_candidates(
                         enumerated += len(experts) * len(variants)
                         pruned[point] += len(experts) * len(variants)
                         continue
+                    sizes = point[:11]
                     for ep, etp in experts:
-                        for features in variants:
-                            enumerated += 1
-                            if len(variants) > 1 and _feature_pruned(features, model, point, ep, train, refused):
-                                pruned["features"] += 1
-                                continue
-                            out.append(point._replace(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                                      features=features))
+                        accepted = _accepted(variants, model, point, ep, train, refused)
+                        enumerated += len(variants)
+                        if len(accepted) < len(variants):
+                            pruned["features"] += len(variants) - len(accepted)
+                        head = sizes + (ep, etp)
+                        out.extend([make(head + (features,)) for features in accepted])
     if not enumerated:
         raise ConfigError(_no_fit_message(world, fixed))
     return Space(points=tuple(out), pruned=pruned, enumerated=enumerated, train=train,
@@ -269,26 +270,30 @@ def enumerate_candidates(
                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, template=template)
 
 
-def _feature_pruned(features: RuntimeFeatures, model: ModelSpec, point: Point, ep: int, train: TrainSpec,
-                    memo: dict[tuple, bool]) -> bool:
-    """Whether megatron-core refuses a searched feature set at this point's sizes (EP overlap at PP > 1 without
-    interleaving or with EP 1, CUDA graphs with full recompute, ...); ``memo`` holds the answers of one
-    enumeration by the fields read."""
-    key = (features, point.pipeline_model_parallel_size, point.virtual_pipeline_model_parallel_size, ep,
+def _accepted(variants: tuple[RuntimeFeatures, ...], model: ModelSpec, point: Point, ep: int, train: TrainSpec,
+              memo: dict[tuple, tuple]) -> tuple[RuntimeFeatures, ...]:
+    """The searched feature sets megatron-core takes at this point's sizes, in order (it refuses EP overlap at
+    PP > 1 without interleaving or with EP 1, CUDA graphs with full recompute, ...); every set when only one is
+    searched. ``memo`` holds the answers of one enumeration by the fields read."""
+    if len(variants) == 1:
+        return variants
+    key = (point.pipeline_model_parallel_size, point.virtual_pipeline_model_parallel_size, ep,
            point.recompute_granularity)
     found = memo.get(key)
     if found is None:
-        found = memo[key] = _feature_refused(features, model, point, ep, train)
+        refused = _refusal(model, point, ep, train)
+        found = memo[key] = tuple(features for features in variants if not refused(features))
     return found
 
 
-def _feature_refused(features: RuntimeFeatures, model: ModelSpec, point: Point, ep: int, train: TrainSpec) -> bool:
+def _refusal(model: ModelSpec, point: Point, ep: int, train: TrainSpec):
+    """Whether megatron-core refuses a feature set at this point's sizes (a function of the features)."""
     parallel = ParallelSpec(pipeline_model_parallel_size=point.pipeline_model_parallel_size,
                             virtual_pipeline_model_parallel_size=point.virtual_pipeline_model_parallel_size,
                             expert_model_parallel_size=ep)
     spec = TrainSpec(recompute_granularity=point.recompute_granularity, precision=train.precision,
                      fp8_recipe=train.fp8_recipe)
-    return feature_problem(features, model=model, parallel=parallel, train=spec) is not None
+    return lambda features: feature_problem(features, model=model, parallel=parallel, train=spec) is not None
 
 
 def _expert_values(model: ModelSpec, *, tp: int, cp: int, dp: int, fixed: Mapping) -> tuple[tuple[int, int], ...]:
