@@ -27,23 +27,36 @@ _SIZES = slice(0, 13)
 
 def dominated_features(costs: LayerCosts, space: Space) -> set[int]:
     """Indices of the points another point of their group dominates."""
-    groups: dict[tuple, list[int]] = {}
     points = space.points
-    for index, point in enumerate(points):
-        groups.setdefault(point[_SIZES], []).append(index)
     out: set[int] = set()
     settled: dict[tuple, tuple[int, ...]] = {}
-    for members in groups.values():
-        if len(members) < 2:
+    numbers: dict[int, int] = {}  # feature sets by identity: the points share the enumeration's few records
+    for start, stop in space.groups or _groups(points):
+        if stop - start < 2:
             continue
-        first = points[members[0]]
+        first = points[start]
         # the layer key's sizes (TP, CP, micro-batch, recompute, SP, EP, ETP) and the members' features in order
-        key = first[:2] + first[5:8] + first[11:13] + tuple(points[index].features for index in members)
+        key = first[:2] + first[5:8] + first[11:13] + tuple(
+            numbers.setdefault(id(points[index].features), len(numbers)) for index in range(start, stop))
         positions = settled.get(key)
         if positions is None:
             positions = settled[key] = dominated_positions(costs, [space.candidate(points[index])
-                                                                   for index in members])
-        out.update(members[position] for position in positions)
+                                                                   for index in range(start, stop)])
+        out.update(start + position for position in positions)
+    return out
+
+
+def _groups(points) -> list[tuple[int, int]]:
+    """(start, stop) of each run of points equal but for their features (a group's points are consecutive)."""
+    out: list[tuple[int, int]] = []
+    previous = None
+    for index, point in enumerate(points):
+        sizes = point[_SIZES]
+        if sizes == previous:
+            out[-1] = (out[-1][0], index + 1)
+        else:
+            out.append((index, index + 1))
+            previous = sizes
     return out
 
 

@@ -94,6 +94,8 @@ class Space:
     """Megatron's interleaving group (``parallel.microbatch_group_size_per_vp_stage``); P when None."""
     template: ParallelSpec = ParallelSpec()
     """Where the settings the search does not vary come from: tp_comm_overlap, the DP overlap flags, Megatron FSDP."""
+    groups: tuple[tuple[int, int], ...] = ()
+    """(start, stop) of each run of points equal but for their runtime features, in order."""
     _records: dict = field(default_factory=dict, compare=False, repr=False)
     """ParallelSpec and TrainSpec records already built, by their fields: points share them."""
 
@@ -235,9 +237,9 @@ def enumerate_candidates(
     world = cluster.num_gpus
     pruned: Counter = Counter()
     out: list[Point] = []
+    groups: list[tuple[int, int]] = []
     enumerated = 0
     refused: dict[tuple, tuple] = {}  # _accepted by the few fields it reads: points repeat them many times
-    make = Point._make
     for tp in _tp_values(model, cluster, fixed, options):
         tp_ok = _tp_ok(tp, model, cluster, options)
         for cp in _cp_values(train.seq_length, fixed, options):
@@ -255,19 +257,25 @@ def enumerate_candidates(
                         enumerated += len(experts) * len(variants)
                         pruned[point] += len(experts) * len(variants)
                         continue
-                    sizes = point[:11]
                     for ep, etp in experts:
                         accepted = _accepted(variants, model, point, ep, train, refused)
                         enumerated += len(variants)
                         if len(accepted) < len(variants):
                             pruned["features"] += len(variants) - len(accepted)
-                        head = sizes + (ep, etp)
-                        out.extend([make(head + (features,)) for features in accepted])
+                        _append_group(out, groups, point[:11] + (ep, etp), accepted)
     if not enumerated:
         raise ConfigError(_no_fit_message(world, fixed))
-    return Space(points=tuple(out), pruned=pruned, enumerated=enumerated, train=train,
+    return Space(points=tuple(out), pruned=pruned, enumerated=enumerated, train=train, groups=tuple(groups),
                  use_distributed_optimizer=use_distributed_optimizer,
                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, template=template)
+
+
+def _append_group(out: list[Point], groups: list[tuple[int, int]], sizes: tuple, accepted: tuple) -> None:
+    """Appends a point of ``sizes`` per accepted feature set, and their run to ``groups``."""
+    if accepted:
+        make = Point._make
+        groups.append((len(out), len(out) + len(accepted)))
+        out.extend([make(sizes + (features,)) for features in accepted])
 
 
 def _accepted(variants: tuple[RuntimeFeatures, ...], model: ModelSpec, point: Point, ep: int, train: TrainSpec,
