@@ -60,7 +60,8 @@ from megapipe.records import (
 )
 
 __all__ = ["layer_costs", "distinct_units", "unit_runs", "unit_times", "unit_bytes", "unit_cost", "unit_kind",
-           "UnitBytes", "BYTES_FEATURES", "bytes_features"]
+           "UnitBytes", "UnitSizes", "unit_sizes", "BYTES_FEATURES",
+           "bytes_features"]
 
 _FIXED_CACHE = 4096
 """Unit shapes whose fixed times stay cached (a search meets a few hundred)."""
@@ -131,35 +132,54 @@ class UnitBytes:
     act_bytes: float
 
 
-def unit_bytes(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> dict[str, UnitBytes]:
-    """Each distinct unit's parameters and bytes (by unit key), read with :func:`bytes_features` only: equal for
-    every feature set that agrees there."""
+@dataclass(frozen=True, slots=True)
+class UnitSizes:
+    """Each distinct unit's parameters, routed-expert parameters and activation bytes (by unit key): what a unit
+    holds before the data-parallel size shards its optimizer state."""
+
+    shapes: Shapes
+    """The shapes they were read from (with :func:`bytes_features` only)."""
+    units: tuple[tuple[str, float, float, float], ...]
+    """(unit key, parameters, expert parameters, activation bytes), in :data:`_UNIT_ORDER`."""
+
+
+def _bytes_parallel(parallel: ParallelSpec) -> ParallelSpec:
     features = bytes_features(parallel.features)
-    if features != parallel.features:
-        parallel = dataclasses.replace(parallel, features=features)
+    return parallel if features == parallel.features else dataclasses.replace(parallel, features=features)
+
+
+def unit_sizes(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) -> UnitSizes:
+    """:class:`UnitSizes`, read with :func:`bytes_features` only: they read neither the data-parallel size nor PP,
+    save whether the last stage holds the output weight (PP > 1)."""
+    parallel = _bytes_parallel(parallel)
     shapes = shapes_of(model=model, parallel=parallel, train=train)
-
-    def sized(kind: LayerKind, params: float, act: float, experts: float = 0.0) -> UnitBytes:
-        static = unit_static_bytes(kind=kind, params=params, shapes=shapes, parallel=parallel, train=train,
-                                   expert_params=experts)
-        return UnitBytes(param_count=params, expert_param_count=experts, static_bytes=static, act_bytes=act)
-
     keys = {key for key, _ in unit_runs(model)}
     last_moe = _last_moe(model)
-    out: dict[str, UnitBytes] = {}
+    out = []
     for key, moe in (("dense", False), ("moe", True)):
         if key in keys:
-            out[key] = sized(LayerKind.decoder, decoder_params(shapes, moe=moe),
-                             decoder_activation_bytes(shapes, moe=moe), expert_params(shapes, moe=moe))
+            out.append((key, decoder_params(shapes, moe=moe), expert_params(shapes, moe=moe),
+                        decoder_activation_bytes(shapes, moe=moe)))
     if "mtp" in keys:
-        out["mtp"] = sized(LayerKind.mtp, mtp_params(shapes, moe=last_moe), mtp_activation_bytes(shapes, moe=last_moe),
-                           expert_params(shapes, moe=last_moe))
+        out.append(("mtp", mtp_params(shapes, moe=last_moe), expert_params(shapes, moe=last_moe),
+                    mtp_activation_bytes(shapes, moe=last_moe)))
     embedding = embedding_params(shapes, max_position_embeddings=model.max_position_embeddings or model.seq_length)
-    out["embedding"] = sized(LayerKind.embedding, embedding, embedding_activation_bytes(shapes))
+    out.append(("embedding", embedding, 0.0, embedding_activation_bytes(shapes)))
     holds_head = model.untie_embeddings_and_output_weights or parallel.pipeline_model_parallel_size > 1
-    out["output"] = sized(LayerKind.loss, output_params(shapes, holds_output_weight=holds_head),
-                          output_activation_bytes(shapes))
-    return out
+    out.append(("output", output_params(shapes, holds_output_weight=holds_head), 0.0, output_activation_bytes(shapes)))
+    return UnitSizes(shapes=shapes, units=tuple(out))
+
+
+def unit_bytes(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec,
+               sizes: UnitSizes | None = None) -> dict[str, UnitBytes]:
+    """Each distinct unit's parameters and bytes (by unit key), read with :func:`bytes_features` only: equal for
+    every feature set that agrees there. ``sizes``: the candidate's :func:`unit_sizes` (at any DP), when known."""
+    sizes = sizes or unit_sizes(model=model, parallel=parallel, train=train)
+    parallel = _bytes_parallel(parallel)
+    return {key: UnitBytes(param_count=params, expert_param_count=experts, act_bytes=act,
+                           static_bytes=unit_static_bytes(kind=_KINDS[key], params=params, shapes=sizes.shapes,
+                                                          parallel=parallel, train=train, expert_params=experts))
+            for key, params, experts, act in sizes.units}
 
 
 def unit_times(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec,

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from itertools import chain, repeat
 
-from megapipe.cost.layers import UnitBytes, bytes_features, unit_bytes, unit_cost, unit_kind, unit_runs, unit_times
+from megapipe.cost.layers import (UnitBytes, UnitSizes, bytes_features, unit_bytes, unit_cost, unit_kind, unit_runs,
+                                  unit_sizes, unit_times)
 from megapipe.cost.timing import Timing
 from megapipe.plan.plans import Candidate
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec, RuntimeFeatures
@@ -43,7 +44,9 @@ class SharedCosts:
         self.timed: dict[tuple, dict[str, Timing]] = {}
         """Unit times by layer key and GPU."""
         self.sized: dict[tuple, dict[str, UnitBytes]] = {}
-        """Unit bytes by bytes key, DP size, PP > 1 and the distributed optimizer."""
+        """Unit bytes by bytes key, PP > 1, DP size and the distributed optimizer."""
+        self.shaped: dict[tuple, UnitSizes] = {}
+        """Unit parameters and activation bytes by bytes key and PP > 1."""
         self.priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = {}
         self.schedules: dict[tuple, object] = {}
         """Built schedules by sizes (:meth:`megapipe.plan.evaluator.Evaluator.schedule`)."""
@@ -66,6 +69,7 @@ class UnitCosts:
         shared = shared or SharedCosts()
         self._timed: dict[tuple, dict[str, Timing]] = shared.timed
         self._sized: dict[tuple, dict[str, UnitBytes]] = shared.sized
+        self._shaped: dict[tuple, UnitSizes] = shared.shaped
         self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = shared.priced
         self._bytes_keys: dict[RuntimeFeatures, RuntimeFeatures] = {}
 
@@ -115,10 +119,13 @@ class UnitCosts:
 
     def _sizes(self, cand: Candidate) -> dict[str, UnitBytes]:
         par = cand.parallel
-        key = self.bytes_key(cand) + (par.data_parallel_size, par.pipeline_model_parallel_size > 1,
-                                      par.use_distributed_optimizer)
+        shaped = self.bytes_key(cand) + (par.pipeline_model_parallel_size > 1,)
+        key = shaped + (par.data_parallel_size, par.use_distributed_optimizer)
         found = self._sized.get(key)
         if found is None:
-            found = self._sized[key] = unit_bytes(model=self.model, parallel=par, train=cand.train)
+            sizes = self._shaped.get(shaped)
+            if sizes is None:
+                sizes = self._shaped[shaped] = unit_sizes(model=self.model, parallel=par, train=cand.train)
+            found = self._sized[key] = unit_bytes(model=self.model, parallel=par, train=cand.train, sizes=sizes)
         return found
 
