@@ -128,8 +128,14 @@ def pinned_split(*, shape: PinnedShape, stages: Sequence[StageSpec], ranks: Sequ
     takes, or None if none fits. ``lower_bound``: a bottleneck no split beats, where each search starts."""
     problems: dict = {}
     best = None
+    unit = shape.decoder.fwd_ms + shape.decoder.bwd_ms
+    scales = [stages[rank].time_scale for rank in ranks]
     for pins, kinds in pinned_cases(shape, len(ranks)):
         if not _allowed(kinds, len(stages)):
+            continue
+        # every stage takes at least its pinned entries and fewest decoders: a placement that cannot beat the best
+        floor = max(scale * (extra[0] + low * unit) for scale, extra, low in zip(scales, pins.extra, pins.low))
+        if best is not None and floor >= best[0] * (1 - 1e-12):
             continue
         search = count_search(decoder=shape.decoder, num_decoders=shape.num_decoders, pins=pins, stages=stages,
                               ranks=ranks, profiles=profiles, problems=problems)
