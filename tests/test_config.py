@@ -76,7 +76,8 @@ def test_overrides_fix_search_dimensions():
 
 
 def test_indivisible_gpu_count_is_a_config_error():
-    with pytest.raises(ConfigError, match="not divisible"):
+    with pytest.raises(ConfigError, match=r"parallel.tensor_model_parallel_size=3 .*does not divide the cluster's 128 "
+                                          r"GPUs .*one of 1, 2, 4, 8"):
         to_scenario(compose(["parallel.tensor_model_parallel_size=3"]))
 
 
