@@ -244,9 +244,15 @@ def _stacked_may_fit(shape: PinnedShape, table: _CaseTable, stages, owned, array
         return None
     sizes = [len(array) for array in arrays]
     rank_of_row = np.repeat(np.arange(len(arrays)), sizes)
-    stage_of = np.asarray(owned)[rank_of_row]  # rows x chunks: the layout stage of each column
     room = np.array([stage.memory_bytes for stage in stages], dtype=float)[rank_of_row]
     room = room + 2e-9 * np.maximum(1.0, np.abs(room))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    # Every stage open, nothing pinned, none required: no placement holds more (back-loaded into the last chunk).
+    last = weights[:, -1]
+    most = np.minimum(np.where(last > 0, np.floor(room / np.where(last > 0, last, 1.0) + 1e-9), n), n)
+    if np.minimum.reduceat(most, starts).sum() < n:
+        return False
+    stage_of = np.asarray(owned)[rank_of_row]  # rows x chunks: the layout stage of each column
     low = table.low[:, stage_of]  # placements x rows x chunks
     held = (table.static[:, stage_of] + counts * table.act[:, stage_of] + weights * low).sum(axis=2)
     spare = room - held  # placements x rows
@@ -256,7 +262,6 @@ def _stacked_may_fit(shape: PinnedShape, table: _CaseTable, stages, owned, array
     fill = np.take_along_axis(np.broadcast_to(weights, low.shape), last_open[:, :, None], axis=2)[:, :, 0]
     most = np.where(fill > 0, np.floor(spare / np.where(fill > 0, fill, 1.0) + 1e-9), n)
     most = np.where(open_.any(axis=2), np.minimum(most, n), 0.0)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     per_rank = np.minimum.reduceat(most, starts, axis=1) + low[:, starts, :].sum(axis=2)
     fits = (spare >= 0).all(axis=1)
     return bool((fits & (per_rank.sum(axis=1) >= n)).any())
