@@ -30,14 +30,13 @@ def dominated_features(costs: LayerCosts, space: Space) -> set[int]:
     points = space.points
     out: set[int] = set()
     settled: dict[tuple, tuple[int, ...]] = {}
-    numbers: dict[int, int] = {}  # feature sets by identity: the points share the enumeration's few records
-    for start, stop in space.groups or _groups(points):
+    for start, stop, features in space.groups or _groups(points):
         if stop - start < 2:
             continue
         first = points[start]
-        # the layer key's sizes (TP, CP, micro-batch, recompute, SP, EP, ETP) and the members' features in order
-        key = first[:2] + first[5:8] + first[11:13] + tuple(
-            numbers.setdefault(id(points[index].features), len(numbers)) for index in range(start, stop))
+        # the layer key's sizes (TP, CP, micro-batch, recompute, SP, EP, ETP) and the members' feature sets (runs of
+        # equal sets share one tuple)
+        key = first[:2] + first[5:8] + first[11:13] + (id(features),)
         positions = settled.get(key)
         if positions is None:
             positions = settled[key] = dominated_positions(costs, [space.candidate(points[index])
@@ -46,18 +45,20 @@ def dominated_features(costs: LayerCosts, space: Space) -> set[int]:
     return out
 
 
-def _groups(points) -> list[tuple[int, int]]:
-    """(start, stop) of each run of points equal but for their features (a group's points are consecutive)."""
-    out: list[tuple[int, int]] = []
+def _groups(points) -> list[tuple[int, int, tuple]]:
+    """(start, stop, feature sets) of each run of points equal but for their features (a group's points are
+    consecutive)."""
+    out: list[tuple[int, int, tuple]] = []
     previous = None
     for index, point in enumerate(points):
         sizes = point[_SIZES]
         if sizes == previous:
-            out[-1] = (out[-1][0], index + 1)
+            out[-1] = (out[-1][0], index + 1, out[-1][2] + (point.features,))
         else:
-            out.append((index, index + 1))
+            out.append((index, index + 1, (point.features,)))
             previous = sizes
-    return out
+    interned: dict[tuple, tuple] = {}
+    return [(start, stop, interned.setdefault(features, features)) for start, stop, features in out]
 
 
 def dominated_positions(costs: LayerCosts, cands: list) -> tuple[int, ...]:

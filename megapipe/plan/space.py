@@ -94,8 +94,9 @@ class Space:
     """Megatron's interleaving group (``parallel.microbatch_group_size_per_vp_stage``); P when None."""
     template: ParallelSpec = ParallelSpec()
     """Where the settings the search does not vary come from: tp_comm_overlap, the DP overlap flags, Megatron FSDP."""
-    groups: tuple[tuple[int, int], ...] = ()
-    """(start, stop) of each run of points equal but for their runtime features, in order."""
+    groups: tuple[tuple[int, int, tuple[RuntimeFeatures, ...]], ...] = ()
+    """(start, stop, feature sets) of each run of points equal but for their runtime features, in order; runs of
+    equal feature sets share one tuple."""
     _records: dict = field(default_factory=dict, compare=False, repr=False)
     """ParallelSpec and TrainSpec records already built, by their fields: points share them."""
 
@@ -237,7 +238,7 @@ def enumerate_candidates(
     world = cluster.num_gpus
     pruned: Counter = Counter()
     out: list[Point] = []
-    groups: list[tuple[int, int]] = []
+    groups: list[tuple[int, int, tuple]] = []
     enumerated = 0
     refused: dict[tuple, tuple] = {}  # _accepted by the few fields it reads: points repeat them many times
     for tp in _tp_values(model, cluster, fixed, options):
@@ -270,11 +271,11 @@ def enumerate_candidates(
                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, template=template)
 
 
-def _append_group(out: list[Point], groups: list[tuple[int, int]], sizes: tuple, accepted: tuple) -> None:
+def _append_group(out: list[Point], groups: list[tuple[int, int, tuple]], sizes: tuple, accepted: tuple) -> None:
     """Appends a point of ``sizes`` per accepted feature set, and their run to ``groups``."""
     if accepted:
         make = Point._make
-        groups.append((len(out), len(out) + len(accepted)))
+        groups.append((len(out), len(out) + len(accepted), accepted))
         out.extend([make(sizes + (features,)) for features in accepted])
 
 
@@ -290,7 +291,8 @@ def _accepted(variants: tuple[RuntimeFeatures, ...], model: ModelSpec, point: Po
     found = memo.get(key)
     if found is None:
         refused = _refusal(model, point, ep, train)
-        found = memo[key] = tuple(features for features in variants if not refused(features))
+        found = tuple(features for features in variants if not refused(features))
+        found = memo[key] = memo.setdefault(found, found)  # equal sets as one tuple
     return found
 
 
