@@ -24,6 +24,7 @@ __all__ = [
     "SEARCHED",
     "GRAPHED_SCOPES",
     "feature_variants",
+    "MOE_SETTINGS",
 ]
 
 DISPATCHERS = ("alltoall", "allgather", "flex")
@@ -38,6 +39,14 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 """megatron-core's allowed ``recompute_modules`` (TransformerConfig.__post_init__)."""
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 """megatron-core's allowed ``offload_modules`` (TransformerConfig.__post_init__, core_v0.16.1)."""
+
+
+MOE_SETTINGS = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
+                "moe_flex_dispatcher_backend", "overlap_moe_expert_parallel_comm", "moe_shared_expert_overlap",
+                "moe_permute_fusion", "moe_router_fusion", "moe_router_force_load_balancing",
+                "moe_router_padding_for_quantization", "moe_load_imbalance")
+"""The parallel and train settings that only a mixture-of-experts model reads (a dense plan's record leaves them
+out; :func:`feature_problem` refuses the features among them on a dense model)."""
 
 
 def _moe_problem(features: RuntimeFeatures, model: ModelSpec, parallel: ParallelSpec | None) -> str | None:

@@ -107,7 +107,7 @@ def test_a_plan_of_an_imported_model_says_on_the_console_what_it_does_not_emit(c
                  "train.seq_length=4096", "cluster.num_nodes=2", "output.pictures=false",
                  f"output.dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
-    assert "warning: NOT EMITTED: gemma2's sliding-window attention (4096 tokens, every other layer)" in out
-    assert "warning: NOT EMITTED: gemma2's final logit softcapping (30.0)" in out
+    assert "warning: NOT EMITTED: gemma2 has sliding-window attention (4096 tokens, every other layer)" in out
+    assert "warning: NOT EMITTED: gemma2 has final logit softcapping (30.0)" in out
     nemo2 = (tmp_path / "nemo2_overrides.txt").read_text()
     assert "trainer.num_nodes=2" in nemo2 and "trainer.devices=8" in nemo2

@@ -218,8 +218,8 @@ def emit(*, partition: Partition, parallel: ParallelSpec, train: TrainSpec, mode
     warnings = []
     if parallel.sequence_parallel and parallel.tensor_model_parallel_size == 1:
         warnings.append("sequence_parallel needs tensor_model_parallel_size > 1; it is left off, as Megatron does")
-    warnings += [f"NOT EMITTED: {model.name}'s {feature} is neither costed nor written to any argument file; "
-                 "the model these arguments build lacks it (add its Megatron flags yourself)"
+    warnings += [f"NOT EMITTED: {model.name} has {feature}, which megapipe neither costs nor writes to any argument "
+                 "file; the model these arguments build lacks it (add its Megatron flags yourself)"
                  for feature in model.not_modelled]
     warnings += bridge_precision(train, parallel)[1] + nemo1_precision(train, parallel)[1]
     if model.use_rope_scaling:

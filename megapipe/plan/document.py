@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from megapipe.features import MOE_SETTINGS
 from megapipe.plan.plans import SearchResult
 from megapipe.records import ClusterSpec, LinkSpec, ModelSpec
 
@@ -32,11 +33,13 @@ def _model(model: ModelSpec) -> dict:
 
 
 def _inputs(inputs: dict, model: ModelSpec) -> dict:
-    """The resolved config, its model group without the fields that do not apply (as :func:`_model`)."""
-    group = inputs.get("model")
-    if not isinstance(group, dict):
-        return inputs
-    return {**inputs, "model": {key: value for key, value in group.items() if key not in model.unused_fields}}
+    """The resolved config without what does not apply to the model: its model group as :func:`_model` leaves it,
+    and, for a dense model, the parallel and train groups without the MoE settings (:data:`MOE_SETTINGS`)."""
+    unused = {"model": set(model.unused_fields), "parallel": set(), "train": set()}
+    if not model.is_moe:
+        unused["parallel"] = unused["train"] = set(MOE_SETTINGS)
+    return {name: {key: value for key, value in group.items() if key not in unused[name]}
+            if name in unused and isinstance(group, dict) else group for name, group in inputs.items()}
 
 
 def _cluster(cluster: ClusterSpec) -> dict:
