@@ -225,10 +225,12 @@ def test_console_help_and_readme_name_the_files_the_plan_dir_holds(tmp_path, cap
 
 
 def test_dense_plan_yaml_leaves_out_moe_and_mla_fields(tmp_path, capsys):
-    """A dense model's record has no MoE or MLA fields (model and inputs.model), and reads back to the same model."""
+    """A dense model's record has no MoE or MLA fields (model and inputs.model) and no MoE settings (inputs.parallel
+    and inputs.train), and reads back to the same model, parallel and train records."""
     from omegaconf import OmegaConf
 
     from megapipe.config import compose, to_scenario
+    from megapipe.features import MOE_SETTINGS
     from megapipe.records import MLA_MODEL_FIELDS, MOE_MODEL_FIELDS
 
     assert main(["plan", *TINY, f"output.dir={tmp_path}", "output.pictures=false", "output.format=json"]) == 0
@@ -237,7 +239,9 @@ def test_dense_plan_yaml_leaves_out_moe_and_mla_fields(tmp_path, capsys):
     for section in (doc["model"], doc["inputs"]["model"]):
         assert not (set(MOE_MODEL_FIELDS) | set(MLA_MODEL_FIELDS)) & set(section)
         assert section["num_layers"] == 4
-    assert to_scenario(OmegaConf.create(doc["inputs"])).model == to_scenario(compose(TINY)).model
+    assert not set(MOE_SETTINGS) & (set(doc["inputs"]["parallel"]) | set(doc["inputs"]["train"]))
+    read_back, composed = to_scenario(OmegaConf.create(doc["inputs"])), to_scenario(compose(TINY))
+    assert (read_back.model, read_back.parallel, read_back.train) == (composed.model, composed.parallel, composed.train)
     mixtral = to_scenario(compose(["model=mixtral_8x7b"]), search=True).model
     assert mixtral.unused_fields == MLA_MODEL_FIELDS  # MoE without MLA: only the MLA fields go
 
