@@ -239,7 +239,7 @@ def test_runs_of_identical_entries_exact_under_coupled_memory(dense, moe, dense_
                                                                cap_units, slow):
     """A MoE model's profile (embedding, dense layers, MoE layers, MTP, loss) is solved over its runs of
     identical entries; against brute force on interleaved 1F1B, two ranks (one slower when ``slow``)."""
-    from megapipe.partition.coupled import _runs
+    from megapipe.partition.milp import _runs
 
     layers = ([_layer(LayerKind.embedding, 0.5, 0.5, 2 * UNIT, UNIT)]
               + [_layer(LayerKind.decoder, 1.0, 2.0, UNIT, dense_act * UNIT)] * dense

@@ -22,7 +22,8 @@ import numpy as np
 from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.partition.baselines import equal_bounds, parameters_bounds
 from megapipe.partition.build import build_partition, over_memory_message
-from megapipe.partition.coupled import Unsolved, bottleneck_of, milp_split, rank_peaks, uniform_shape, uniform_split
+from megapipe.partition.coupled import bottleneck_of, rank_peaks, uniform_shape, uniform_split
+from megapipe.partition.milp import Unsolved, milp_split
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memory_reach, stage_ranks
 from megapipe.partition.headroom import least_utilisation_split
 from megapipe.partition.pinned import pinned_shape, pinned_split
@@ -145,9 +146,11 @@ def _coupled_bounds(layers, stages, ranks, in_flight, profiles, *, check_memory:
     """The min-max split when ranks hold several layout stages, under each rank's coupled memory.
 
     The split of least bottleneck ignoring memory is optimal when it fits; otherwise the exact
-    coupled solvers of :mod:`megapipe.partition.coupled` decide (identical decoders by counts, any
-    other profile as a MILP); if HiGHS cannot finish, the per-chunk share rule gives a split that
-    fits (:func:`~megapipe.partition.memory.chunk_memory_caps`).
+    coupled solvers decide: identical decoders by counts (:mod:`megapipe.partition.coupled`), a few
+    entries at each end around identical decoders by counts per placement of the ends
+    (:mod:`megapipe.partition.pinned`), any other profile as a MILP (:mod:`megapipe.partition.milp`);
+    if HiGHS cannot finish, the per-chunk share rule gives a split that fits
+    (:func:`~megapipe.partition.memory.chunk_memory_caps`).
     """
     free = _optimal_bounds(layers, stages, ranks, in_flight, (math.inf,) * len(ranks), headroom=False)
     if not check_memory or _coupled_fit(layers, stages, ranks, profiles, free):
