@@ -39,7 +39,8 @@ from megapipe.cost.traffic import (
 )
 from megapipe.records import Recompute, RuntimeFeatures
 
-__all__ = ["FixedParts", "decoder_timing", "decoder_parts", "fixed_parts", "fixed_shapes", "shapes_of_key", "timing_sum"]
+__all__ = ["FixedParts", "decoder_timing", "decoder_parts", "fixed_parts", "fixed_shapes", "shapes_of_key",
+           "timing_sum"]
 
 _FIXED_CACHE = 4096
 """Decoder shapes whose fixed parts stay cached (a search meets a few hundred)."""
