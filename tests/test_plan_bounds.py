@@ -146,3 +146,27 @@ def test_bound_classes_share_bounds():
             shared += 1
         seen[key] = bound
     assert shared > 50
+
+
+def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
+    """The search decides memory once per group of points that hold the same bytes: a MoE model's points that differ
+    in expert tensor parallelism or in a feature its bytes read (forced balance, recompute modules) are decided
+    apart, so no point is pruned on another point's verdict."""
+    from collections import Counter
+
+    from megapipe.config import compose, to_scenario
+    from megapipe.config.options import search_options
+    from megapipe.plan import search as planner
+
+    cfg = compose(["model=qwen3_30b_a3b", "cluster.num_nodes=2", "train.global_batch_size=64"])
+    scenario = to_scenario(cfg, search=True)
+    options = search_options(cfg)
+    evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster, options=options)
+    space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
+                                 fixed=scenario.fixed, options=options)
+    kept = {index for _, index, _ in planner._bound_all(evaluator, space, Counter())}
+    dominated = planner._dominated_features(evaluator, space)
+    cap = scenario.cluster.gpu.usable_memory_bytes
+    pruned = [point for index, point in enumerate(space.points) if index not in kept and index not in dominated]
+    assert {point.expert_tensor_parallel_size for point in space.points} != {1}  # ETP is searched here
+    assert pruned and all(evaluator.bounds.memory_bound_of(space.candidate(point)) > cap for point in pruned)

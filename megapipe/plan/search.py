@@ -36,6 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
+from megapipe.cost.layers import bytes_features
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError, ScheduleError
 from megapipe.plan.dominance import dominated_features
 from megapipe.plan.evaluator import Evaluator, Prepared
@@ -163,8 +164,9 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tupl
         step = steps.get(key, _UNSET)
         if step is _UNSET:
             cand = space.candidate(point)
-            # the searched features change times, not what a rank holds: memory is decided once without them
-            memory_key = key[:-4] + key[-2:]
+            # most searched features change times, not what a rank holds: memory is decided once per the features
+            # a unit's bytes read (ETP and the rest of the key kept)
+            memory_key = key[:-3] + (bytes_features(point.features),) + key[-2:]
             fits = memory.get(memory_key)
             if fits is None:
                 fits = memory[memory_key] = not check_memory or evaluator.bounds.memory_bound_of(cand) <= memory_cap
