@@ -177,6 +177,12 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "
     return with_runtime_file(cfg, path)
 
 
+def compose_model(name: str) -> DictConfig:
+    """The model group of preset ``name`` (``hydra_conf/model``), composed alone (``hydra_conf/model_only.yaml``):
+    what a job list or a published run reads of a preset, a quarter of composing the whole config."""
+    return compose([f"model={name}"], config_name="model_only").model
+
+
 _NO_DEFAULT = object()
 _MODEL_DEFAULTS = {item.name: item.default if item.default is not dataclasses.MISSING else item.default_factory()
                    for item in dataclasses.fields(ModelConfig)

@@ -35,7 +35,7 @@ def _number(key: str, value, *, low: float = 0.0, allow_zero: bool = False) -> f
 def _job_scenario(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
     """The job as ``megapipe plan`` would take it: the command line's config with the job's model, global batch,
     sequence length and precision in place (composed once per distinct job shape)."""
-    from megapipe.config.build import compose, conf_dir, to_scenario
+    from megapipe.config.build import compose_model, conf_dir, to_scenario
 
     presets = sorted(name[:-5] for name in os.listdir(os.path.join(conf_dir(), "model"))
                      if name.endswith(".yaml") and not name.startswith("_"))
@@ -46,7 +46,7 @@ def _job_scenario(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
     if key not in cache:
         job_cfg = copy.deepcopy(cfg)
         with open_dict(job_cfg):
-            job_cfg.model = compose([f"model={job.model}"]).model
+            job_cfg.model = compose_model(str(job.model))
             job_cfg.train.global_batch_size = int(job.global_batch_size)
             job_cfg.train.seq_length = job.get("seq_length")
             if precision is not None:

@@ -108,9 +108,25 @@ def _preset(node: Mapping, where: str) -> ModelSpec:
 @functools.lru_cache(maxsize=64)
 def _preset_model(name: str) -> ModelSpec:
     """``hydra_conf/model``'s preset ``name`` as a record, composed once per process (many runs share one)."""
-    from megapipe.config import compose, to_scenario
+    import copy
 
-    return to_scenario(compose([f"model={name}"])).model
+    from omegaconf import open_dict
+
+    from megapipe.config import to_scenario
+    from megapipe.config.build import compose_model
+
+    cfg = copy.deepcopy(_defaults())
+    with open_dict(cfg):
+        cfg.model = compose_model(name)
+    return to_scenario(cfg).model
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults():
+    """The default config, composed once: the rest of what a model preset is read with."""
+    from megapipe.config import compose
+
+    return compose([])
 
 
 def _model(node: Mapping, where: str) -> ModelSpec:
