@@ -104,3 +104,26 @@ def test_rank_in_flight_profiles_closed_form_equals_the_built_orders():
                     assert all(np.array_equal(a, b) for a, b in zip(closed, from_orders))
                     compared += 1
     assert compared > 40
+
+
+def test_every_schedule_keeps_fewer_of_a_later_chunk_at_each_peak():
+    """The coupled-memory solver's premise (partition/rank_problem.py): at every moment that can be a rank's peak,
+    each schedule holds no more microbatches of a later layout stage than of an earlier one on that rank, so
+    filling the last stages first minimises every memory row at once."""
+    from megapipe.schedules import registry
+
+    checked = 0
+    for name in SCHEDULE_NAMES:
+        for pp in (2, 3, 4, 8):
+            for v in (1, 2, 3, 6):
+                for m in sorted({pp, 2 * pp, 3 * pp + 1, 16, 32}):
+                    try:
+                        profiles = registry.rank_in_flight_profiles(name, pipeline_model_parallel_size=pp,
+                                                                    num_microbatches=m,
+                                                                    virtual_pipeline_model_parallel_size=v)
+                    except ScheduleError:
+                        continue
+                    for rows in profiles:
+                        assert all(list(row) == sorted(row, reverse=True) for row in rows.tolist()), (name, pp, v, m)
+                    checked += 1
+    assert checked > 100
