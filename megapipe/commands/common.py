@@ -184,10 +184,11 @@ def _check_sizes(scenario: Scenario, measured: MeasuredRun, plan: dict | None) -
 
 
 @contextlib.contextmanager
-def process_map(count: int):
+def process_map(count: int, *, one_at_a_time: bool = False):
     """A ``map`` for ``count`` independent tasks over the machine's cores: a fork process pool, in order, or the
     built-in map when one process is all there is (one core, or one task). Work handed to it must not depend on
-    how many processes run it."""
+    how many processes run it. Tasks go out in chunks (a quarter of each process's share), or ``one_at_a_time``
+    when they are few, long and of uneven cost."""
     workers = max(1, min(os.cpu_count() or 1, count))
     if workers == 1:
         yield map
@@ -195,8 +196,9 @@ def process_map(count: int):
     import multiprocessing
 
     pool = multiprocessing.get_context("fork").Pool(workers)
+    chunk = 1 if one_at_a_time else max(1, -(-count // (4 * workers)))
     try:
-        yield lambda function, items: pool.imap(function, items, chunksize=max(1, -(-count // (4 * workers))))
+        yield lambda function, items: pool.imap(function, items, chunksize=chunk)
     finally:
         pool.close()
         pool.join()

@@ -139,7 +139,7 @@ def _pictures(result, cluster, directory: str) -> list[str]:
 
 def run(job: PackInputs, *, directory: str) -> None:
     cluster = job.scenario.cluster
-    with process_map(len(job.jobs)) as mapper:
+    with process_map(len(job.jobs), one_at_a_time=True) as mapper:  # a 405B job's curve against an 8B one's
         result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper)
     document = pack_document(result, cluster, inputs=job.inputs)
     atomic_write_text(os.path.join(directory, "pack.yaml"), dump_yaml(document))

@@ -87,19 +87,26 @@ class CurveCache:
         return self.found[key]
 
     def prefetch(self, requests: Sequence[tuple[JobSpec, int, int, int | None]], mapper: Callable = map) -> None:
-        """Run the searches of ``requests`` ((job, group, nodes, fixed pipeline size) each) not yet run, one batch
-        per job shape through ``mapper`` (a process pool's map runs the shapes side by side); each search is
-        the one :meth:`best` runs, so the curves do not depend on how they were run."""
+        """Run the searches of ``requests`` ((job, group, nodes, fixed pipeline size) each) not yet run, two batches
+        per job shape through ``mapper`` (a process pool's map runs them side by side); each search is the one
+        :meth:`best` runs, so the curves do not depend on how they were run."""
         batches: dict[tuple, dict[tuple, tuple]] = {}
         for job, group, nodes, pipeline in requests:
             shape, key = _keys(job, group, nodes, pipeline)
             if key not in self.found:
                 batches.setdefault(shape, {})[key] = (job, group, nodes, pipeline)
-        ordered = sorted(batches.values(), key=len, reverse=True)  # the longest first: the pool ends together
-        for found in mapper(_search_batch, [(self.cluster, self.options, tuple(batch.items())) for batch in ordered]):
+        halves = [part for batch in batches.values() for part in _halves(tuple(batch.items()))]
+        ordered = sorted(halves, key=len, reverse=True)  # the longest first: the pool ends together
+        for found in mapper(_search_batch, [(self.cluster, self.options, part) for part in ordered]):
             for key, result in found:
                 self.searches += 1
                 self.found[key] = result
+
+
+def _halves(items: tuple) -> tuple[tuple, ...]:
+    """A shape's searches as two batches (alternate node counts), so one heavy shape keeps two cores busy; each half
+    still prices its units once."""
+    return tuple(part for part in (items[0::2], items[1::2]) if part)
 
 
 def _keys(job: JobSpec, group: int, nodes: int, pipeline: int | None) -> tuple[tuple, tuple]:
