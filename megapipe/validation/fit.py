@@ -76,6 +76,11 @@ class RunSet:
     def __len__(self) -> int:
         return len(self.resolved)
 
+    def __getstate__(self) -> dict:
+        """What a pool's worker receives: the built schedules stay behind (megabytes of lowered programs the worker
+        finds again in its own schedule cache); the runs, their fixed splits and their prices travel."""
+        return {**self.__dict__, "_schedules": [{} for _ in self.resolved]}
+
     def plan(self, index: int, runtime: RuntimeSpec) -> Plan:
         run = self.resolved[index]
         cluster = run_cluster(run.run, self.clusters[index], runtime)
