@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from megapipe.config.memory import memory_fields
 from megapipe.config.validate import check_model, positive_int
 from megapipe.cost.precision import FP8_RECIPES, PRECISIONS
 from megapipe.errors import ConfigError
@@ -22,8 +23,7 @@ from megapipe.layout import parse_layout
 from megapipe.schedules import MEGATRON_SCHEDULES
 from megapipe.schedules import spec as schedule_spec
 from megapipe.cost.model_state import state_problem
-from megapipe.records import (PARALLEL_MEMORY_FIELDS, TRAIN_MEMORY_FIELDS, Activation, ModelSpec, ParallelSpec,
-                              Recompute, RuntimeFeatures, TrainSpec)
+from megapipe.records import Activation, ModelSpec, ParallelSpec, Recompute, RuntimeFeatures, TrainSpec
 
 __all__ = ["PublishedRun", "RUNS_FORMAT", "UNKNOWABLE", "PUBLIC_RUNS", "runs_from_document", "read_runs"]
 
@@ -236,23 +236,8 @@ def _parallel_spec(parallel: Mapping, train: Mapping, where: str, *, num_gpus: i
         expert_model_parallel_size=int(parallel.get("expert_model_parallel_size") or 1),
         expert_tensor_parallel_size=int(parallel.get("expert_tensor_parallel_size") or 0),
         features=_features(parallel, train, where),
-        **_memory(parallel, PARALLEL_MEMORY_FIELDS, ParallelSpec(), where),
+        **memory_fields(parallel, ParallelSpec, where=f"{where}.parallel"),
     )
-
-
-def _memory(block: Mapping, names: tuple[str, ...], defaults: object, where: str) -> dict[str, object]:
-    """The memory settings (Megatron FSDP, optimizer dtypes and offloading) the run states; the record's defaults
-    (Megatron's) for the rest."""
-    out = {}
-    for name in names:
-        value = block.get(name)
-        if value is None:
-            continue
-        kind = type(getattr(defaults, name))
-        if kind is bool and not isinstance(value, bool):
-            raise ConfigError(f"{where}: {name}={value!r} must be true or false")
-        out[name] = kind(value)
-    return out
 
 
 def _train_spec(train: Mapping, model: ModelSpec, where: str, *, precision: str, recipe: str) -> TrainSpec:
@@ -266,7 +251,7 @@ def _train_spec(train: Mapping, model: ModelSpec, where: str, *, precision: str,
         fp8_param_gather=bool(train.get("fp8_param_gather") or False),
         grad_reduce_in_fp32=bool(train.get("grad_reduce_in_fp32", True)),
         moe_load_imbalance=None if train.get("moe_load_imbalance") is None else float(train["moe_load_imbalance"]),
-        **_memory(train, TRAIN_MEMORY_FIELDS, TrainSpec(), where),
+        **memory_fields(train, TrainSpec, where=f"{where}.train"),
     )
 
 
