@@ -5,8 +5,8 @@
 One row per claim: the claim, a short quote, megapipe's figure, how it was computed and a
 verdict (holds / does not hold / cannot be checked here). Planner rows run the same search as
 ``megapipe plan`` with the overrides shown, so each can be repeated on the command line.
-megapipe's cost model is uncalibrated on GPUs (no GPU was used): its figures are the
-analytical model's, not measurements. Runs in about 15 s on one CPU core.
+megapipe's figures are predictions of its step-time model (calibrated on published runs,
+docs/validation.md), not measurements. Runs in about 2 minutes on one CPU core.
 """
 
 from __future__ import annotations
