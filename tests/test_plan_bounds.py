@@ -157,6 +157,7 @@ def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
     from megapipe.config import compose, to_scenario
     from megapipe.config.options import search_options
     from megapipe.plan import search as planner
+    from megapipe.plan.dominance import dominated_features
 
     cfg = compose(["model=qwen3_30b_a3b", "cluster.num_nodes=2", "train.global_batch_size=64"])
     scenario = to_scenario(cfg, search=True)
@@ -165,8 +166,14 @@ def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
     space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
                                  fixed=scenario.fixed, options=options)
     kept = {index for _, index, _ in planner._bound_all(evaluator, space, Counter())}
-    dominated = planner._dominated_features(evaluator, space)
+    dominated = dominated_features(Evaluator(model=scenario.model, cluster=scenario.cluster, options=options).costs,
+                                   space)
     cap = scenario.cluster.gpu.usable_memory_bytes
     pruned = [point for index, point in enumerate(space.points) if index not in kept and index not in dominated]
     assert {point.expert_tensor_parallel_size for point in space.points} != {1}  # ETP is searched here
     assert pruned and all(evaluator.bounds.memory_bound_of(space.candidate(point)) > cap for point in pruned)
+    # memory is decided before dominance, which skips groups where nothing fits: the survivors are those of
+    # dominance over every group followed by the memory test
+    fits = [evaluator.bounds.memory_bound_of(space.candidate(point)) <= cap for point in space.points]
+    assert kept == {index for index in range(len(space.points)) if index not in dominated and fits[index]}
+    assert dominated and not all(fits)

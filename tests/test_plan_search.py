@@ -196,3 +196,51 @@ def test_plans_carry_megatron_schedule_warnings(schedule):
     document = plan_document(result=result, model=SMALL, cluster=cluster(), inputs={})
     for plan in [document["best"], *document["plans"], *json_summary(result)["plans"]]:
         assert any(f"no {schedule} schedule" in w for w in plan["warnings"])
+
+
+def _signature(result):
+    """What a search answers: every ranked plan, the chosen one, the equal-split baseline and the reference."""
+    if result is None:
+        return None
+
+    def plan(item):
+        return None if item is None else (item.parallel, item.train, item.schedule, item.step_time_s,
+                                          item.layout, item.method, item.memory_spread, item.memory_over_gib)
+
+    return [plan(item) for item in result.plans], plan(result.chosen), plan(result.baseline), plan(result.reference)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=mixtral_8x7b", "cluster.num_nodes=8", "train.global_batch_size=512", "train.seq_length=4096",
+     "search.max_virtual_pipeline_model_parallel_size=4", "search.top_k=1"],
+    ["model=llama3_8b", "cluster.num_nodes=2", "train.global_batch_size=128", "train.seq_length=4096",
+     "search.top_k=3", "search.max_pipeline_model_parallel_size=4"],
+])
+def test_search_by_depth_equals_a_search_per_fixed_depth(overrides):
+    """pack's curves take the fixed-depth baseline's points from one search: the whole search's answer and each
+    depth's are those of the search run alone with that depth fixed (a depth over the whole search's limit, 8 in the
+    second case, is searched alone; a depth with no plan is None in both)."""
+    from megapipe.config import compose, to_scenario
+    from megapipe.config.options import search_options
+    from megapipe.errors import MegapipeError
+    from megapipe.plan.search import search_by_depth
+    from megapipe.plan.unit_costs import SharedCosts
+
+    cfg = compose(overrides)
+    scenario = to_scenario(cfg, search=True)
+    inputs = dict(model=scenario.model, cluster=scenario.cluster, train=scenario.train, fixed=scenario.fixed,
+                  options=search_options(cfg))
+    depths = (1, 2, 4, 8, 16)
+    found = search_by_depth(depths=depths, shared=SharedCosts(), **inputs)
+    assert _signature(found[None]) == _signature(search(**inputs))
+    answered = 0
+    for depth in depths:
+        try:
+            alone = search(**{**inputs, "fixed": {**scenario.fixed, "pipeline_model_parallel_size": depth}})
+        except MegapipeError:
+            alone = None
+        assert _signature(found[depth]) == _signature(alone), depth
+        answered += alone is not None
+        if alone is not None:
+            assert found[depth].best.parallel.pipeline_model_parallel_size == depth
+    assert answered >= 3

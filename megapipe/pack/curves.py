@@ -16,7 +16,7 @@ from megapipe.cost import model_flops_per_token
 from megapipe.errors import MegapipeError
 from megapipe.plan.plans import Plan, SearchResult
 from megapipe.options import SearchOptions
-from megapipe.plan.search import search
+from megapipe.plan.search import search, search_by_depth
 from megapipe.plan.unit_costs import SharedCosts
 from megapipe.records import ClusterSpec, JobSpec, NodeGroup
 
@@ -82,25 +82,30 @@ class CurveCache:
         shape, key = _keys(job, group, nodes, pipeline)
         if key not in self.found:
             self.searches += 1
-            self.found[key] = _searched(self.cluster, self.options, job, group, nodes, pipeline,
-                                        self.costs.setdefault(shape, SharedCosts()))
+            self.found.update(_searched(self.cluster, self.options, job, group, nodes, pipeline,
+                                        self.costs.setdefault(shape, SharedCosts())))
         return self.found[key]
 
-    def prefetch(self, requests: Sequence[tuple[JobSpec, int, int, int | None]], mapper: Callable = map) -> None:
+    def prefetch(self, requests: Sequence[tuple[JobSpec, int, int, int | None]], mapper: Callable = map, *,
+                 depths: Sequence[int] = ()) -> None:
         """Run the searches of ``requests`` ((job, group, nodes, fixed pipeline size) each) not yet run, two batches
         per job shape through ``mapper`` (a process pool's map runs them side by side); each search is the one
-        :meth:`best` runs, so the curves do not depend on how they were run."""
+        :meth:`best` runs, so the curves do not depend on how they were run. With ``depths``, a request without a
+        fixed pipeline size also gives the curve points at each of them (:func:`megapipe.plan.search.search_by_depth`:
+        the same results as searching each depth alone, from one search)."""
         batches: dict[tuple, dict[tuple, tuple]] = {}
         for job, group, nodes, pipeline in requests:
             shape, key = _keys(job, group, nodes, pipeline)
             if key not in self.found:
-                batches.setdefault(shape, {})[key] = (job, group, nodes, pipeline)
+                wanted = tuple(depth for depth in depths if _keys(job, group, nodes, depth)[1] not in self.found
+                               ) if pipeline is None else ()
+                batches.setdefault(shape, {})[key] = (job, group, nodes, pipeline, wanted)
         halves = [part for batch in batches.values() for part in _halves(tuple(batch.items()))]
         ordered = sorted(halves, key=len, reverse=True)  # the longest first: the pool ends together
         for found in mapper(_search_batch, [(self.cluster, self.options, part) for part in ordered]):
-            for key, result in found:
+            for results in found:
                 self.searches += 1
-                self.found[key] = result
+                self.found.update(results)
 
 
 def _halves(items: tuple) -> tuple[tuple, ...]:
@@ -115,17 +120,19 @@ def _keys(job: JobSpec, group: int, nodes: int, pipeline: int | None) -> tuple[t
     return shape, (*shape, nodes, pipeline)
 
 
-def _search_batch(batch) -> list[tuple[tuple, SearchResult | None]]:
-    """The searches of one job shape, sharing its unit costs (a module-level function: a pool pickles it)."""
+def _search_batch(batch) -> list[dict[tuple, SearchResult | None]]:
+    """The searches of one job shape, sharing its unit costs (a module-level function: a pool pickles it): per search,
+    its curve points' results."""
     cluster, options, items = batch
     shared = SharedCosts()
-    return [(key, _searched(cluster, options, job, group, nodes, pipeline, shared))
-            for key, (job, group, nodes, pipeline) in items]
+    return [_searched(cluster, options, job, group, nodes, pipeline, shared, depths)
+            for _, (job, group, nodes, pipeline, depths) in items]
 
 
 def _searched(cluster: ClusterSpec, options: SearchOptions, job: JobSpec, group: int, nodes: int,
-              pipeline: int | None, shared: SharedCosts) -> SearchResult | None:
-    """The planner's search for one curve point, its plans without simulations; None where nothing fits."""
+              pipeline: int | None, shared: SharedCosts, depths: Sequence[int] = ()) -> dict[tuple, SearchResult | None]:
+    """The planner's search for one curve point, and with ``depths`` the points of each fixed pipeline size at the
+    same node count, by curve point; plans without simulations, None where nothing fits."""
     if job.max_micro_batch_size is not None:
         sizes = tuple(size for size in options.micro_batch_sizes if size <= job.max_micro_batch_size)
         options = dataclasses.replace(options, micro_batch_sizes=sizes or (job.max_micro_batch_size,))
@@ -133,18 +140,24 @@ def _searched(cluster: ClusterSpec, options: SearchOptions, job: JobSpec, group:
     if pipeline is not None:
         fixed["pipeline_model_parallel_size"] = pipeline
     template = job.template
-    try:
-        result = search(model=job.model, cluster=sub_cluster(cluster, group, nodes), train=job.train, fixed=fixed,
-                        options=options, template=template, use_distributed_optimizer=template.use_distributed_optimizer,
-                        microbatch_group_size_per_vp_stage=template.microbatch_group_size_per_vp_stage, shared=shared)
-    except MegapipeError:
-        return None
+    inputs = dict(model=job.model, cluster=sub_cluster(cluster, group, nodes), train=job.train, fixed=fixed,
+                  options=options, template=template, use_distributed_optimizer=template.use_distributed_optimizer,
+                  microbatch_group_size_per_vp_stage=template.microbatch_group_size_per_vp_stage, shared=shared)
+    if depths and "pipeline_model_parallel_size" not in fixed:
+        found = search_by_depth(depths=tuple(depths), **inputs)
+    else:
+        try:
+            found = {pipeline: search(**inputs)}
+        except MegapipeError:
+            found = {pipeline: None}
 
     def lean(plan: Plan | None) -> Plan | None:
         return None if plan is None else dataclasses.replace(plan, simulation=None)
 
-    return dataclasses.replace(result, plans=tuple(lean(plan) for plan in result.plans), chosen=lean(result.chosen),
-                               baseline=lean(result.baseline), reference=lean(result.reference))
+    return {_keys(job, group, nodes, depth)[1]: None if result is None else dataclasses.replace(
+                result, plans=tuple(lean(plan) for plan in result.plans), chosen=lean(result.chosen),
+                baseline=lean(result.baseline), reference=lean(result.reference))
+            for depth, result in found.items()}
 
 
 def curve_requests(job: JobSpec, cluster: ClusterSpec, *, node_counts: Sequence[int] | None = None,

@@ -80,7 +80,8 @@ class PackResult:
     moved: tuple[str, ...] = ()
     searches: int = 0
     seconds: float = 0.0
-    """Wall time of the decision: curves and the exact packing (baselines and what-if excluded)."""
+    """Wall time of the decision: curves and the exact packing (the what-if excluded; the curves' searches also give
+    the fixed-depth baseline's points)."""
     curve_options: tuple[tuple[Option, ...], ...] = field(default=(), repr=False)
 
 
@@ -293,7 +294,9 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
     cache = CurveCache(cluster=cluster, options=dataclasses.replace(search, top_k=1))
     capacities = tuple(group.num_nodes for group in cluster.node_groups)
     present = tuple(job for job in jobs if not job.arrives_later)
-    cache.prefetch(_requests([(job, None) for job in present], cluster, options), mapper)
+    sizes = options.baseline_pipeline_sizes if baselines else ()
+    # each curve point's search also gives the fixed-depth baseline's points at that node count
+    cache.prefetch(_requests([(job, None) for job in present], cluster, options), mapper, depths=sizes)
     curves = [job_options(job, cache, node_counts=options.node_counts) for job in present]
     packing = solve_milp(present, curves, capacities, objective=options.objective)
     peak = peak_flops(cluster)
@@ -308,7 +311,6 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
         baselines and missed and options.objective != "deadlines") else None
     found: list[Policy] = []
     arriving = [(job, None) for job in jobs if job.arrives_later and options.arrive]
-    sizes = options.baseline_pipeline_sizes if baselines else ()
     cache.prefetch(_requests([(job, size) for job in present for size in sizes] + arriving, cluster, options), mapper)
     if baselines:
         fixed = _fixed_depth(present, cache, options, capacities, peak)

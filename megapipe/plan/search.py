@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 
 from megapipe.cost.layers import bytes_features
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError, ScheduleError
-from megapipe.plan.dominance import dominated_features
+from megapipe.plan.dominance import dominated_features, feature_groups
 from megapipe.plan.evaluator import Evaluator, Prepared
 from megapipe.plan.unit_costs import SharedCosts
 from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
@@ -50,7 +50,7 @@ from megapipe.records import Profile
 from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 from megapipe.schedules import SPECS, ScheduleName
 
-__all__ = ["search", "reference_candidate"]
+__all__ = ["search", "search_by_depth", "reference_candidate"]
 
 
 def search(
@@ -73,44 +73,114 @@ def search(
     parallelism allows it, and the DP overlap flags); ``shared``: unit costs and schedules shared with other
     searches of this model and batch shape on sub-clusters of the same node group (the answer is the same)."""
     started = time.perf_counter()
-    _check_cluster(cluster)
-    evaluator = Evaluator(model=model, cluster=cluster, options=options, profile=profile, shared=shared)
-    space = enumerate_candidates(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
-                                 use_distributed_optimizer=use_distributed_optimizer,
-                                 microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-                                 template=template)
-    pruned = Counter(space.pruned)
-    bounded = _bound_all(evaluator, space, pruned)
-    plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, pruned, progress)
-    if not plans:
-        raise InfeasibleError(_no_plan_message(model, cluster, train, pruned, memory_floor, fixed or {}))
-    ranked = rank_plans(plans, objective=options.objective, top_k=options.top_k, bubble_target=options.bubble_target)
-    if options.bubble_target is not None:
-        _check_bubble_target(ranked, options.bubble_target)
-    chosen = next((plan for plan in ranked if not plan.what_if), None)
-    if chosen is None and options.what_if_schedules and "schedule" not in (fixed or {}):
-        chosen = _best_runnable(model=model, cluster=cluster, train=train, fixed=fixed, options=options,
-                                profile=profile, use_distributed_optimizer=use_distributed_optimizer,
-                                microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-                                template=template, shared=shared)
-    chosen = chosen or ranked[0]
-    baseline = _try(evaluator, _candidate_of(chosen), method="equal", gpus=_gpus_of(evaluator, chosen))
-    if baseline is not None and baseline.feasible and score(baseline, options.objective) < score(chosen, options.objective):
-        # The equal split simulates faster (the min-max split only bounds the step): plan with it.
-        ranked = rank_plans([baseline if plan is chosen else plan for plan in ranked], objective=options.objective,
-                            top_k=options.top_k)
-        chosen = baseline
-    reference = _reference(evaluator, options, train, dataclasses.replace(
-        template, use_distributed_optimizer=use_distributed_optimizer))
-    stats = SearchStats(enumerated=space.enumerated, evaluated=len(bounded), partitioned=work["partitioned"],
-                        simulated=work["simulated"], pruned=tuple(sorted(pruned.items())),
-                        seconds=time.perf_counter() - started,
-                        virtual_sizes=tuple(sorted({point.virtual_pipeline_model_parallel_size
-                                                    for point in space.points})))
-    gain = chosen.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
-    return SearchResult(plans=ranked, chosen=chosen, baseline=baseline, reference=reference, stats=stats,
-                        profile=evaluator.costs.profile(_candidate_of(chosen)),
-                        hetero_gain=gain if cluster.is_heterogeneous else None)
+    inputs = dict(model=model, cluster=cluster, train=train, fixed=dict(fixed or {}), options=options, profile=profile,
+                  use_distributed_optimizer=use_distributed_optimizer,
+                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, template=template,
+                  shared=shared)
+    return _Bounded(inputs).result(None, started=started, progress=progress)
+
+
+def search_by_depth(*, depths: tuple[int, ...], **inputs) -> dict[int | None, SearchResult | None]:
+    """:func:`search` (under the key None), and the result of the same search with ``pipeline_model_parallel_size``
+    fixed to each of ``depths``; None where a search finds no plan or its inputs fail (what pack's curves need).
+
+    One enumeration, one set of bounds, and one branch and bound per depth over the points of that depth, with
+    partitions and simulations shared. A depth's points are those the fixed search enumerates, in the same order
+    and with the same bounds, so its plans are that search's (tests/test_plan_search.py); its stats count the
+    shared enumeration and bounds and its own branch and bound. A depth the whole search does not try (over
+    ``search.max_pipeline_model_parallel_size`` or the layer count), or every depth when the whole search's inputs
+    fail, is searched on its own."""
+    inputs = dict(inputs)
+    inputs["fixed"] = dict(inputs.get("fixed") or {})
+    if "pipeline_model_parallel_size" in inputs["fixed"]:
+        raise ConfigError("search_by_depth varies pipeline_model_parallel_size; do not fix it")
+    model, options = inputs["model"], inputs.get("options", SearchOptions())
+    limit = min(options.max_pipeline_model_parallel_size or model.num_layers, model.num_layers)
+    started = time.perf_counter()
+    try:
+        bounded = _Bounded(inputs)
+    except MegapipeError:
+        bounded = None
+    out: dict[int | None, SearchResult | None] = {}
+    try:
+        out[None] = bounded.result(None, started=started) if bounded is not None else None
+    except MegapipeError:
+        out[None] = None
+    for depth in depths:
+        try:
+            if bounded is not None and depth <= limit:
+                # no point of any depth the whole search tries has a plan: neither has one of this depth
+                out[depth] = None if bounded.planless else bounded.result(depth, started=time.perf_counter())
+            else:
+                out[depth] = search(**{**inputs, "fixed": {**inputs["fixed"], "pipeline_model_parallel_size": depth}})
+        except MegapipeError:
+            out[depth] = None
+    return out
+
+
+class _Bounded:
+    """One search's enumeration and bounds, from which a result for every point or for one depth's points is
+    drawn."""
+
+    def __init__(self, inputs: dict):
+        self.inputs = inputs
+        model, cluster, options = inputs["model"], inputs["cluster"], inputs.get("options", SearchOptions())
+        _check_cluster(cluster)
+        self.evaluator = Evaluator(model=model, cluster=cluster, options=options, profile=inputs.get("profile"),
+                                   shared=inputs.get("shared"))
+        template = inputs.get("template", ParallelSpec())
+        self.space = enumerate_candidates(
+            model=model, cluster=cluster, train=inputs["train"], fixed=inputs["fixed"], options=options,
+            use_distributed_optimizer=inputs.get("use_distributed_optimizer", True),
+            microbatch_group_size_per_vp_stage=inputs.get("microbatch_group_size_per_vp_stage"), template=template)
+        self.pruned = Counter(self.space.pruned)
+        self.bounded = _bound_all(self.evaluator, self.space, self.pruned)
+        self.planless = False
+        """The branch and bound over every point found no plan, feasible or not."""
+
+    def result(self, depth: int | None, *, started: float, progress: Callable[[int, int], None] | None = None
+               ) -> SearchResult:
+        evaluator, space, inputs = self.evaluator, self.space, self.inputs
+        model, cluster, train = inputs["model"], inputs["cluster"], inputs["train"]
+        options = inputs.get("options", SearchOptions())
+        fixed = inputs["fixed"] if depth is None else {**inputs["fixed"], "pipeline_model_parallel_size": depth}
+        bounded = self.bounded if depth is None else [item for item in self.bounded
+                                                      if item[2].pipeline_model_parallel_size == depth]
+        pruned = Counter(self.pruned)
+        plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, pruned, progress)
+        if not plans and depth is None:
+            self.planless = True
+        if not plans:
+            raise InfeasibleError(_no_plan_message(model, cluster, train, pruned, memory_floor, fixed))
+        ranked = rank_plans(plans, objective=options.objective, top_k=options.top_k,
+                            bubble_target=options.bubble_target)
+        if options.bubble_target is not None:
+            _check_bubble_target(ranked, options.bubble_target)
+        chosen = next((plan for plan in ranked if not plan.what_if), None)
+        if chosen is None and options.what_if_schedules and "schedule" not in fixed:
+            chosen = _best_runnable(**{**inputs, "fixed": fixed})
+        chosen = chosen or ranked[0]
+        baseline = _try(evaluator, _candidate_of(chosen), method="equal", gpus=_gpus_of(evaluator, chosen))
+        if baseline is not None and baseline.feasible and score(baseline, options.objective) < score(
+                chosen, options.objective):
+            # The equal split simulates faster (the min-max split only bounds the step): plan with it.
+            ranked = rank_plans([baseline if plan is chosen else plan for plan in ranked],
+                                objective=options.objective, top_k=options.top_k)
+            chosen = baseline
+        template = inputs.get("template", ParallelSpec())
+        reference = _reference(evaluator, options, train, dataclasses.replace(
+            template, use_distributed_optimizer=inputs.get("use_distributed_optimizer", True)))
+        points = space.points if depth is None else [point for point in space.points
+                                                     if point.pipeline_model_parallel_size == depth]
+        stats = SearchStats(enumerated=space.enumerated, evaluated=len(bounded), partitioned=work["partitioned"],
+                            simulated=work["simulated"], pruned=tuple(sorted(pruned.items())),
+                            seconds=time.perf_counter() - started,
+                            virtual_sizes=tuple(sorted({point.virtual_pipeline_model_parallel_size
+                                                        for point in points})))
+        gain = chosen.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
+        return SearchResult(plans=ranked, chosen=chosen, baseline=baseline, reference=reference, stats=stats,
+                            profile=evaluator.costs.profile(_candidate_of(chosen)),
+                            hetero_gain=gain if cluster.is_heterogeneous else None)
 
 
 def _best_runnable(*, options: SearchOptions, **inputs) -> Plan | None:
@@ -145,48 +215,74 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tupl
 
     Points whose layer key, data-parallel size and schedule's bound class
     (:attr:`~megapipe.schedules.ScheduleSpec.bound_class`) agree have the same bounds, so each such group
-    is bounded once, on one Candidate; the step bound is computed only where memory may fit.
+    is bounded once, on one Candidate; the step bound is computed only where memory may fit. Memory is decided
+    before feature dominance, which only looks at groups where some point may fit: a dominated point holds the
+    same bytes as the point that dominates it, so the two share the memory verdict and the survivors are the same.
     """
     options = evaluator.options
     memory_cap = max(group.gpu.usable_memory_bytes for group in evaluator.cluster.node_groups)
     check_memory = not options.ignore_memory_limit
     min_scale = _min_time_scale(evaluator)
-    steps: dict[tuple, float | None] = {}
-    memory: dict[tuple, bool] = {}
+    points = space.points
+    groups = space.groups or feature_groups(points)
     classes = {name: item.bound_class for name, item in SPECS.items()}
-    dominated = _dominated_features(evaluator, space)
-    out = []
-    for index, point in enumerate(space.points):
-        if index in dominated:
-            pruned["features"] += 1
-            continue
-        key = point[:4] + point[5:8] + point[11:14] + (classes[point.schedule], point.per_stage_recompute)  # all but VP
-        step = steps.get(key, _UNSET)
-        if step is _UNSET:
-            cand = space.candidate(point)
-            # most searched features change times, not what a rank holds: memory is decided once per the features
-            # a unit's bytes read (ETP and the rest of the key kept)
-            memory_key = key[:-3] + (bytes_features(point.features),) + key[-2:]
-            fits = memory.get(memory_key)
+    # Keys hold feature sets by identity: a space's points share the enumeration's feature-set objects, and most
+    # searched features change times, not what a rank holds, so memory is decided once per the features a unit's
+    # bytes read (a token per distinct bytes features; ETP and the rest of the sizes kept).
+    steps: dict[tuple, float] = {}
+    memory: dict[tuple, bool] = {}
+    tokens: dict = {}
+    member_tokens: dict[int, tuple[int, ...]] = {}
+    verdicts: dict[int, tuple[bool, ...]] = {}
+
+    def fits_of(start: int, stop: int, features: tuple) -> tuple[bool, ...]:
+        """Per point of the group at ``start``: may it fit memory."""
+        found = verdicts.get(start)
+        if found is not None:
+            return found
+        if not check_memory:
+            found = verdicts[start] = (True,) * (stop - start)
+            return found
+        read = member_tokens.get(id(features))
+        if read is None:
+            read = member_tokens[id(features)] = tuple(tokens.setdefault(bytes_features(item), len(tokens))
+                                                       for item in features)
+        first = points[start]
+        base = first[:4] + first[5:8] + first[11:13] + (classes[first.schedule], first.per_stage_recompute)
+        out = []
+        for offset, token in enumerate(read):
+            key = base + (token,)
+            fits = memory.get(key)
             if fits is None:
-                fits = memory[memory_key] = not check_memory or evaluator.bounds.memory_bound_of(cand) <= memory_cap
-            step = evaluator.bounds.bound(cand, min_time_scale=min_scale).step_ms if fits else None
-            steps[key] = step
-        if step is None:
-            pruned["memory"] += 1
-            continue
-        out.append((step, index, point))
+                fits = memory[key] = (evaluator.bounds.memory_bound_of(space.candidate(points[start + offset]))
+                                      <= memory_cap)
+            out.append(fits)
+        found = verdicts[start] = tuple(out)
+        return found
+
+    dominated = dominated_features(evaluator.costs, space,
+                                   may_fit=lambda start, stop, features: any(fits_of(start, stop, features)))
+    out = []
+    for start, stop, features in groups:
+        fits = fits_of(start, stop, features)
+        first = points[start]
+        base = first[:4] + first[5:8] + first[11:13] + (classes[first.schedule], first.per_stage_recompute)  # no VP
+        for offset, item in enumerate(features):
+            index = start + offset
+            if index in dominated:
+                pruned["features"] += 1
+                continue
+            if not fits[offset]:
+                pruned["memory"] += 1
+                continue
+            key = base + (id(item),)
+            step = steps.get(key)
+            if step is None:
+                step = steps[key] = evaluator.bounds.bound(space.candidate(points[index]),
+                                                           min_time_scale=min_scale).step_ms
+            out.append((step, index, points[index]))
     out.sort(key=lambda item: item[:2])
     return out
-
-
-_UNSET = object()
-
-
-def _dominated_features(evaluator: Evaluator, space: Space) -> set[int]:
-    """Points whose runtime features another point of the same sizes beats on every unit
-    (:func:`megapipe.plan.dominance.dominated_features`): they can never rank above it."""
-    return dominated_features(evaluator.costs, space)
 
 
 def _min_time_scale(evaluator: Evaluator) -> float:

@@ -53,6 +53,9 @@ class SharedCosts:
         self.prepared: dict[tuple, object] = {}
         """Partitioned candidates (or the error) by (cluster, options, candidate, GPUs): a node count's main
         search and its fixed-depth searches partition many of the same candidates."""
+        self.dominance: dict[tuple, tuple[int, ...]] = {}
+        """Dominated positions of a group's feature sets by its sizes and feature sets (unit times and bytes keys
+        only)."""
         self.finished: dict[int, object] = {}
         """Simulated plans (or the error) by the id of a prepared candidate held in :attr:`prepared`."""
 
