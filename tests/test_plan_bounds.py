@@ -151,7 +151,8 @@ def test_bound_classes_share_bounds():
 def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
     """The search decides memory once per group of points that hold the same bytes: a MoE model's points that differ
     in expert tensor parallelism or in a feature its bytes read (forced balance, recompute modules) are decided
-    apart, so no point is pruned on another point's verdict."""
+    apart, so no point is pruned on another point's verdict. Every point is ordered by a cheap bound no greater than
+    its full one."""
     from collections import Counter
 
     from megapipe.config import compose, to_scenario
@@ -165,15 +166,14 @@ def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
     evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster, options=options)
     space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
                                  fixed=scenario.fixed, options=options)
-    kept = {index for _, index, _ in planner._bound_all(evaluator, space, Counter())}
-    dominated = dominated_features(Evaluator(model=scenario.model, cluster=scenario.cluster, options=options).costs,
-                                   space)
-    cap = scenario.cluster.gpu.usable_memory_bytes
-    pruned = [point for index, point in enumerate(space.points) if index not in kept and index not in dominated]
+    bounded, bounds = planner._bound_all(evaluator, space, Counter())
+    dominated = dominated_features(evaluator.costs, space)
+    assert {index for _, index, _ in bounded} == set(range(len(space.points))) - dominated and dominated
     assert {point.expert_tensor_parallel_size for point in space.points} != {1}  # ETP is searched here
-    assert pruned and all(evaluator.bounds.memory_bound_of(space.candidate(point)) > cap for point in pruned)
-    # memory is decided before dominance, which skips groups where nothing fits: the survivors are those of
-    # dominance over every group followed by the memory test
-    fits = [evaluator.bounds.memory_bound_of(space.candidate(point)) <= cap for point in space.points]
-    assert kept == {index for index in range(len(space.points)) if index not in dominated and fits[index]}
-    assert dominated and not all(fits)
+    cap = scenario.cluster.gpu.usable_memory_bytes
+    fresh = Evaluator(model=scenario.model, cluster=scenario.cluster, options=options)
+    verdicts = [bounds.fits(point) for _, _, point in bounded]
+    assert verdicts == [fresh.bounds.memory_bound_of(space.candidate(point)) <= cap for _, _, point in bounded]
+    assert any(verdicts) and not all(verdicts)
+    for cheap, _, point in bounded[::7]:
+        assert cheap <= bounds.step(point) == fresh.bounds.bound(space.candidate(point)).step_ms

@@ -73,6 +73,7 @@ class CandidateBounds:
         self._dp_terms: dict[tuple, tuple[float, float]] = {}
         self._layouts: dict[tuple, tuple[int, ...]] = {}
         self._kinds: dict[tuple, tuple] = {}
+        self._time_totals: dict[tuple, tuple[float, float, float]] = {}
 
     def totals(self, cand: Candidate) -> _Totals:
         key = cand.layer_key + (cand.parallel.data_parallel_size,)
@@ -111,6 +112,29 @@ class CandidateBounds:
         if cand.per_stage_recompute:
             return self._per_stage_bound(cand, min_time_scale=min_time_scale)
         return self.bound_terms(cand, min_time_scale=min_time_scale, forward_share=self._forward_share(cand))
+
+    def pipeline_bound(self, cand: Candidate, *, min_time_scale: float = 1.0) -> float:
+        """A cheaper, weaker :meth:`bound`: the first term of its pipeline bound (m T / sum_r q^r, below) and the
+        step overhead, from the units' times alone (no bytes, DP terms or busiest rank), so never above
+        ``bound().step_ms`` (the same floats where they agree). What the search orders every point by before it
+        sizes any."""
+        if cand.per_stage_recompute:
+            return self._per_stage_bound(cand, min_time_scale=min_time_scale).step_ms
+        key = cand.layer_key
+        found = self._time_totals.get(key)
+        if found is None:
+            units, counts = self.costs.time_runs(cand)
+            found = self._time_totals[key] = (
+                repeated_sum([unit.fwd_ms for unit in units], counts), repeated_sum([unit.bwd_ms for unit in units],
+                                                                                    counts),
+                min((unit.fwd_ms / (unit.fwd_ms + unit.bwd_ms) for unit in units if unit.fwd_ms + unit.bwd_ms > 0),
+                    default=0.0))
+        fwd_ms, bwd_ms, forward_share = found
+        pp, m = cand.parallel.pipeline_model_parallel_size, cand.num_microbatches
+        total_ms = (fwd_ms + bwd_ms) * min_time_scale
+        phi = {PathShare.whole: 1.0, PathShare.forward: forward_share}.get(spec(cand.schedule).path_share, 0.0)
+        ratio = 1.0 - phi / m
+        return m * total_ms / sum(ratio ** r for r in range(pp)) + self.cluster.runtime.step_overhead_ms
 
     def bound_terms(self, cand: Candidate, *, min_time_scale: float, forward_share: float,
                     include_sync: bool = True) -> Bound:

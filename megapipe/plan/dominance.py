@@ -14,48 +14,50 @@ feature sets, for every pipeline and data-parallel size at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.space import Space
 
-__all__ = ["dominated_features", "feature_groups"]
+__all__ = ["dominated_features", "feature_groups", "group_dominated"]
 
 _SIZES = slice(0, 13)
 """A point's fields but its features (:class:`megapipe.plan.space.Point`): its group."""
 
 
-def dominated_features(costs: LayerCosts, space: Space, *, may_fit: Callable[[int, int, tuple], bool] | None = None) -> set[int]:
-    """Indices of the points another point of their group dominates. ``may_fit(start, stop, features)``: groups where
-    no point may fit memory are skipped (their points are pruned for memory anyway, and their units need no timing).
-
-    A group's verdict is kept by its sizes and feature sets (:attr:`LayerCosts.dominance`), so searches that share
-    unit costs (pack's node counts) settle each once."""
+def dominated_features(costs: LayerCosts, space: Space) -> set[int]:
+    """Indices of the points another point of their group dominates (every group at once; the search asks per group,
+    as it reaches one: :func:`group_dominated`)."""
     points = space.points
     out: set[int] = set()
     settled: dict[tuple, tuple[int, ...]] = {}
-    shared = costs.dominance
     for start, stop, features in space.groups or feature_groups(points):
-        if stop - start < 2:
-            continue
-        first = points[start]
-        # the layer key's sizes (TP, CP, micro-batch, recompute, SP, EP, ETP) and the members' feature sets (runs of
-        # equal sets share one tuple)
-        sizes = first[:2] + first[5:8] + first[11:13]
-        key = sizes + (id(features),)
-        positions = settled.get(key)
-        if positions is None:
-            if may_fit is not None and not may_fit(start, stop, features):
-                continue
-            positions = shared.get(sizes + (features,))
-            if positions is None:
-                positions = shared[sizes + (features,)] = dominated_positions(
-                    costs, [space.candidate(points[index]) for index in range(start, stop)])
-            settled[key] = positions
-        out.update(start + position for position in positions)
+        out.update(start + position for position in group_dominated(costs, space, start, stop, features, settled))
     return out
+
+
+def group_dominated(costs: LayerCosts, space: Space, start: int, stop: int, features: tuple,
+                    settled: dict[tuple, tuple[int, ...]]) -> tuple[int, ...]:
+    """Positions in the group of points ``start:stop`` (equal but for their feature sets ``features``) that another
+    point of the group dominates. ``settled`` keeps verdicts by sizes and the identity of the feature sets within one
+    space; :attr:`LayerCosts.dominance` keeps them by value, so searches that share unit costs (pack's node counts)
+    settle each once."""
+    if stop - start < 2:
+        return ()
+    first = space.points[start]
+    # the layer key's sizes (TP, CP, micro-batch, recompute, SP, EP, ETP) and the members' feature sets (runs of
+    # equal sets share one tuple)
+    sizes = first[:2] + first[5:8] + first[11:13]
+    key = sizes + (id(features),)
+    positions = settled.get(key)
+    if positions is None:
+        shared = costs.dominance
+        positions = shared.get(sizes + (features,))
+        if positions is None:
+            positions = shared[sizes + (features,)] = dominated_positions(
+                costs, [space.candidate(space.points[index]) for index in range(start, stop)])
+        settled[key] = positions
+    return positions
 
 
 def feature_groups(points) -> list[tuple[int, int, tuple]]:

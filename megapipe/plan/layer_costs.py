@@ -76,6 +76,13 @@ class LayerCosts:
             return self.fixed_profile.layers, (1,) * len(self.fixed_profile.layers)
         return self._unit_costs.runs(cand, self.cluster.gpu)
 
+    def time_runs(self, cand: Candidate) -> tuple[tuple, tuple[int, ...]]:
+        """(per distinct unit an object with fwd_ms, bwd_ms and wgrad_ms, repeat counts) in profile order on the
+        cluster's first GPU, without sizing a unit (the same numbers as :meth:`runs`)."""
+        if self.fixed_profile is not None:
+            return self.runs(cand)
+        return self._unit_costs.time_runs(cand, self.cluster.gpu)
+
     def bytes_runs(self, cand: Candidate) -> tuple[tuple[LayerKind, float, float, int], ...]:
         """(kind, static bytes, activation bytes, repeat count) per run of the profile, in order, without timing
         anything (a measured profile: each entry once)."""

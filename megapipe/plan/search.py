@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 
 from megapipe.cost.layers import bytes_features
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError, ScheduleError
-from megapipe.plan.dominance import dominated_features, feature_groups
+from megapipe.plan.dominance import dominated_features
 from megapipe.plan.evaluator import Evaluator, Prepared
 from megapipe.plan.unit_costs import SharedCosts
 from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
@@ -134,7 +134,7 @@ class _Bounded:
             use_distributed_optimizer=inputs.get("use_distributed_optimizer", True),
             microbatch_group_size_per_vp_stage=inputs.get("microbatch_group_size_per_vp_stage"), template=template)
         self.pruned = Counter(self.space.pruned)
-        self.bounded = _bound_all(self.evaluator, self.space, self.pruned)
+        self.bounded, self.bounds = _bound_all(self.evaluator, self.space, self.pruned)
         self.planless = False
         """The branch and bound over every point found no plan, feasible or not."""
 
@@ -147,7 +147,7 @@ class _Bounded:
         bounded = self.bounded if depth is None else [item for item in self.bounded
                                                       if item[2].pipeline_model_parallel_size == depth]
         pruned = Counter(self.pruned)
-        plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, pruned, progress)
+        plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, self.bounds, pruned, progress)
         if not plans and depth is None:
             self.planless = True
         if not plans:
@@ -210,79 +210,80 @@ def _check_cluster(cluster: ClusterSpec) -> None:
             )
 
 
-def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> list[tuple[float, int, Point]]:
-    """(step bound, index, point) of every point that may fit memory, best bound first.
+class _PointBounds:
+    """Each point's bounds, computed when first needed and kept by what they depend on.
 
     Points whose layer key, data-parallel size and schedule's bound class
-    (:attr:`~megapipe.schedules.ScheduleSpec.bound_class`) agree have the same bounds, so each such group
-    is bounded once, on one Candidate; the step bound is computed only where memory may fit. Memory is decided
-    before feature dominance, which only looks at groups where some point may fit: a dominated point holds the
-    same bytes as the point that dominates it, so the two share the memory verdict and the survivors are the same.
+    (:attr:`~megapipe.schedules.ScheduleSpec.bound_class`) agree have the same bounds, so each is computed once per
+    such key, on one Candidate. Three, each cheaper and weaker than the next: the pipeline term from unit times alone
+    (:meth:`CandidateBounds.pipeline_bound`), which orders every point; the memory test; the full step bound
+    (:meth:`CandidateBounds.bound`). The branch and bound asks for the last two only of the points it pops, so a
+    point the cheap bound already puts past the cutoff is never sized or bounded in full. Keys hold feature sets by
+    identity (a space's points share the enumeration's feature-set objects); memory is decided once per the features
+    a unit's bytes read (a token per distinct bytes features; ETP and the rest of the sizes kept).
     """
-    options = evaluator.options
-    memory_cap = max(group.gpu.usable_memory_bytes for group in evaluator.cluster.node_groups)
-    check_memory = not options.ignore_memory_limit
-    min_scale = _min_time_scale(evaluator)
-    points = space.points
-    groups = space.groups or feature_groups(points)
-    classes = {name: item.bound_class for name, item in SPECS.items()}
-    # Keys hold feature sets by identity: a space's points share the enumeration's feature-set objects, and most
-    # searched features change times, not what a rank holds, so memory is decided once per the features a unit's
-    # bytes read (a token per distinct bytes features; ETP and the rest of the sizes kept).
-    steps: dict[tuple, float] = {}
-    memory: dict[tuple, bool] = {}
-    tokens: dict = {}
-    member_tokens: dict[int, tuple[int, ...]] = {}
-    verdicts: dict[int, tuple[bool, ...]] = {}
 
-    def fits_of(start: int, stop: int, features: tuple) -> tuple[bool, ...]:
-        """Per point of the group at ``start``: may it fit memory."""
-        found = verdicts.get(start)
-        if found is not None:
-            return found
-        if not check_memory:
-            found = verdicts[start] = (True,) * (stop - start)
-            return found
-        read = member_tokens.get(id(features))
-        if read is None:
-            read = member_tokens[id(features)] = tuple(tokens.setdefault(bytes_features(item), len(tokens))
-                                                       for item in features)
-        first = points[start]
-        base = first[:4] + first[5:8] + first[11:13] + (classes[first.schedule], first.per_stage_recompute)
-        out = []
-        for offset, token in enumerate(read):
-            key = base + (token,)
-            fits = memory.get(key)
-            if fits is None:
-                fits = memory[key] = (evaluator.bounds.memory_bound_of(space.candidate(points[start + offset]))
-                                      <= memory_cap)
-            out.append(fits)
-        found = verdicts[start] = tuple(out)
+    def __init__(self, evaluator: Evaluator, space: Space):
+        self.evaluator, self.space = evaluator, space
+        self.memory_cap = max(group.gpu.usable_memory_bytes for group in evaluator.cluster.node_groups)
+        self.check_memory = not evaluator.options.ignore_memory_limit
+        self.min_scale = _min_time_scale(evaluator)
+        self.classes = {name: item.bound_class for name, item in SPECS.items()}
+        self._steps: dict[tuple, float] = {}
+        self._cheap: dict[tuple, float] = {}
+        self._memory: dict[tuple, bool] = {}
+        self._tokens: dict = {}
+        self._token_of: dict[int, int] = {}
+
+    def _sizes(self, point: Point) -> tuple:
+        return point[:4] + point[5:8] + point[11:13] + (self.classes[point.schedule], point.per_stage_recompute)
+
+    def cheap(self, point: Point) -> float:
+        key = self._sizes(point) + (id(point.features),)
+        found = self._cheap.get(key)
+        if found is None:
+            found = self._cheap[key] = self.evaluator.bounds.pipeline_bound(self.space.candidate(point),
+                                                                          min_time_scale=self.min_scale)
         return found
 
-    dominated = dominated_features(evaluator.costs, space,
-                                   may_fit=lambda start, stop, features: any(fits_of(start, stop, features)))
+    def fits(self, point: Point) -> bool:
+        """May the point fit memory (:meth:`CandidateBounds.memory_bound_of` against the largest usable memory)."""
+        if not self.check_memory:
+            return True
+        token = self._token_of.get(id(point.features))
+        if token is None:
+            token = self._token_of[id(point.features)] = self._tokens.setdefault(bytes_features(point.features),
+                                                                                  len(self._tokens))
+        key = self._sizes(point) + (token,)
+        found = self._memory.get(key)
+        if found is None:
+            found = self._memory[key] = (self.evaluator.bounds.memory_bound_of(self.space.candidate(point))
+                                         <= self.memory_cap)
+        return found
+
+    def step(self, point: Point) -> float:
+        key = self._sizes(point) + (id(point.features),)
+        found = self._steps.get(key)
+        if found is None:
+            found = self._steps[key] = self.evaluator.bounds.bound(self.space.candidate(point),
+                                                                   min_time_scale=self.min_scale).step_ms
+        return found
+
+
+def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> tuple[list[tuple[float, int, Point]], _PointBounds]:
+    """(cheap step bound, index, point) of every point no other point's runtime features dominate
+    (:func:`megapipe.plan.dominance.dominated_features`), best bound first, and the bounds the branch and bound asks
+    for the points it pops (:class:`_PointBounds`)."""
+    bounds = _PointBounds(evaluator, space)
+    dominated = dominated_features(evaluator.costs, space)
     out = []
-    for start, stop, features in groups:
-        fits = fits_of(start, stop, features)
-        first = points[start]
-        base = first[:4] + first[5:8] + first[11:13] + (classes[first.schedule], first.per_stage_recompute)  # no VP
-        for offset, item in enumerate(features):
-            index = start + offset
-            if index in dominated:
-                pruned["features"] += 1
-                continue
-            if not fits[offset]:
-                pruned["memory"] += 1
-                continue
-            key = base + (id(item),)
-            step = steps.get(key)
-            if step is None:
-                step = steps[key] = evaluator.bounds.bound(space.candidate(points[index]),
-                                                           min_time_scale=min_scale).step_ms
-            out.append((step, index, points[index]))
+    for index, point in enumerate(space.points):
+        if index in dominated:
+            pruned["features"] += 1
+            continue
+        out.append((bounds.cheap(point), index, point))
     out.sort(key=lambda item: item[:2])
-    return out
+    return out, bounds
 
 
 def _min_time_scale(evaluator: Evaluator) -> float:
@@ -291,19 +292,20 @@ def _min_time_scale(evaluator: Evaluator) -> float:
     return min(datasheet_time_scale(group.gpu, ref) for group in evaluator.cluster.node_groups)
 
 
-def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, pruned: Counter, progress
+def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _PointBounds, pruned: Counter, progress
                       ) -> tuple[list[Plan], Counter, float]:
-    """Best first over lower bounds that sharpen: a candidate's closed-form bound, its partition's floor, then
-    its schedule's relaxed step (:meth:`Evaluator.relaxed_floor_ms`).
+    """Best first over lower bounds that sharpen: a candidate's cheap pipeline bound, its closed-form bound, its
+    partition's floor, then its schedule's relaxed step (:meth:`Evaluator.relaxed_floor_ms`).
 
-    A popped candidate is partitioned and pushed back under max(bound, floor); popped again, each placement
+    A point popped under its cheap bound is dropped if it cannot fit memory, else and pushed back under its
+    full closed-form bound. A popped candidate is partitioned and pushed back under max(bound, floor); popped again, each placement
     still below the cutoff gets the relaxed floor and the candidate goes back under it; popped a third time,
     it is simulated. Once the smallest key is no better than the k-th best exact step, nothing left can rank.
     With ``bubble_target`` everything is evaluated.
     """
     options = evaluator.options
     keep_all = options.bubble_target is not None
-    heap = [(bound_ms, index, point, None) for bound_ms, index, point in bounded]  # sorted, so a heap
+    heap = [(bound_ms, index, point, _UNCHECKED) for bound_ms, index, point in bounded]  # sorted, so a heap
     plans: list[Plan] = []
     feasible_steps: list[float] = []
     work: Counter = Counter()
@@ -316,6 +318,12 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, pruned: Count
             pruned["bound"] += len(heap)
             break
         heapq.heappop(heap)
+        if placed is _UNCHECKED:  # only its cheap bound so far: the memory test, then the full bound
+            if not bounds.fits(point):
+                pruned["memory"] += 1
+                continue
+            heapq.heappush(heap, (max(key, bounds.step(point)), index, point, None))
+            continue
         if placed is None:
             if progress is not None:
                 progress(done, len(bounded))
@@ -367,6 +375,9 @@ def _sharpen(evaluator: Evaluator, placed: list[_Placed], cutoff_ms: float | Non
         item.floor_ms, item.sharpened, sharpened = max(item.floor_ms, relaxed), True, True
     return sharpened
 
+
+_UNCHECKED = object()
+"""A heap entry under its cheap bound only (:meth:`_PointBounds.cheap`)."""
 
 _FLOOR_MARGIN = 1e-9
 """Partition floors are compared with this relative margin, so float rounding can never prune a plan that ranks."""

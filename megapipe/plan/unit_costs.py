@@ -99,6 +99,12 @@ class UnitCosts:
         sizes = self._sizes(cand)
         return tuple((unit_kind(key), sizes[key].static_bytes, sizes[key].act_bytes, count) for key, count in self._runs)
 
+    def time_runs(self, cand: Candidate, gpu: GpuSpec) -> tuple[tuple[Timing, ...], tuple[int, ...]]:
+        """(unit times, repeat counts) in profile order, without the units' bytes: the times :meth:`runs`' units
+        carry."""
+        times = self.times(cand, gpu)
+        return tuple(times[key] for key, _ in self._runs), self._counts
+
     def times(self, cand: Candidate, gpu: GpuSpec) -> dict[str, Timing]:
         """Each distinct unit's time by unit key (:func:`megapipe.cost.layers.unit_times`); it reads neither the
         pipeline nor the data-parallel size."""
