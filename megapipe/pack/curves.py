@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megapipe.cost import model_flops_per_token
+from megapipe.cost.params import parameter_count
 from megapipe.errors import MegapipeError
 from megapipe.plan.plans import Plan, SearchResult
 from megapipe.options import SearchOptions
@@ -101,7 +102,8 @@ class CurveCache:
                                ) if pipeline is None else ()
                 batches.setdefault(shape, {})[key] = (job, group, nodes, pipeline, wanted)
         halves = [part for batch in batches.values() for part in _halves(tuple(batch.items()))]
-        ordered = sorted(halves, key=len, reverse=True)  # the longest first: the pool ends together
+        # the heaviest first, so the pool ends together: the most searches, then the largest model
+        ordered = sorted(halves, key=lambda part: (len(part), parameter_count(part[0][1][0].model)), reverse=True)
         for found in mapper(_search_batch, [(self.cluster, self.options, part) for part in ordered]):
             for results in found:
                 self.searches += 1
