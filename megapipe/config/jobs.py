@@ -44,9 +44,14 @@ def _job_scenario(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
     precision = job.get("precision")
     key = (str(job.model), job.get("seq_length"), precision, int(job.global_batch_size))
     if key not in cache:
-        job_cfg = copy.deepcopy(cfg)
+        if "base" not in cache:  # the config without the job list and Hydra's record, which a job does not read
+            cache["base"] = OmegaConf.masked_copy(cfg, [name for name in cfg if name not in ("jobs", "hydra")])
+        job_cfg = copy.deepcopy(cache["base"])
+        model = ("model", str(job.model))
+        if model not in cache:
+            cache[model] = compose_model(str(job.model))
         with open_dict(job_cfg):
-            job_cfg.model = compose_model(str(job.model))
+            job_cfg.model = copy.deepcopy(cache[model])
             job_cfg.train.global_batch_size = int(job.global_batch_size)
             job_cfg.train.seq_length = job.get("seq_length")
             if precision is not None:
