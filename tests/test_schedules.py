@@ -146,3 +146,30 @@ def test_bad_sizes_raise_with_the_fix(kwargs, match):
 def test_interleaved_uneven_last_group_allowed_when_megatron_allows():
     schedule = _build("interleaved_1f1b", 4, 13, 2, group=9)  # last group 4 >= P
     assert schedule.num_ops == 2 * 13 * 2 * 4
+
+
+def test_closed_form_schedules_build_their_actions_only_when_read():
+    """A schedule with closed-form rank ops simulates without building its actions (a planner search simulates
+    schedules of a hundred thousand ops); read, they are the builder's orders, and they compare, hash and pickle as
+    the tuple."""
+    import pickle
+
+    from megapipe.schedules import registry
+    from megapipe.schedules.base import LazyOrders
+    from megapipe.schedules.interleaved import interleaved_orders
+    from megapipe.simulate import simulate
+    from megapipe.simulate.result import StageTimes
+
+    registry.build.cache_clear()
+    schedule = registry.build("interleaved_1f1b", pipeline_model_parallel_size=4, num_microbatches=8,
+                              virtual_pipeline_model_parallel_size=2)
+    assert isinstance(schedule.orders, LazyOrders) and len(schedule.orders) == 4
+    stages = 8
+    result = simulate(schedule, StageTimes(fwd_ms=(1.0,) * stages, bwd_ms=(2.0,) * stages, wgrad_ms=(0.0,) * stages))
+    assert schedule.orders._orders is None  # simulated, critical path found, no action built
+    built = interleaved_orders(pipeline_model_parallel_size=4, num_microbatches=8,
+                               virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=4)
+    assert schedule.orders == built and hash(schedule.orders) == hash(built)
+    assert pickle.loads(pickle.dumps(schedule)).orders == built
+    path = result.critical_path
+    assert path and all(action == built[rank][index] for action, (rank, index) in zip(path, result.critical_steps))

@@ -17,12 +17,13 @@ V-shaped schedules chunk 0 of rank r is stage r and chunk 1 is stage 2P-1-r).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megapipe.errors import ScheduleError
 
-__all__ = ["Kind", "KIND_CODE", "Action", "RankOps", "Schedule", "loop_stage", "v_stage", "check_sizes",
+__all__ = ["Kind", "KIND_CODE", "Action", "LazyOrders", "RankOps", "Schedule", "loop_stage", "v_stage", "check_sizes",
            "rank_ops_of", "warmup_steady_cooldown"]
 
 
@@ -82,6 +83,46 @@ def warmup_steady_cooldown(warmup: int, total: int):
     return backward, k
 
 
+class LazyOrders(Sequence):
+    """A schedule's per-rank action orders, built on first use: the tuple of tuples ``build()`` returns. The
+    simulator reads a closed-form schedule's :class:`RankOps`, so a planner search that simulates a schedule of a
+    hundred thousand ops never builds its actions; a Gantt chart, a trace or ``format()`` does, once. Compares,
+    hashes and pickles as that tuple."""
+
+    __slots__ = ("_build", "_ranks", "_orders")
+
+    def __init__(self, build, ranks: int):
+        self._build, self._ranks, self._orders = build, ranks, None
+
+    def _built(self) -> tuple[tuple[Action, ...], ...]:
+        if self._orders is None:
+            self._orders = tuple(self._build())
+        return self._orders
+
+    def __len__(self) -> int:
+        return self._ranks
+
+    def __getitem__(self, index):
+        return self._built()[index]
+
+    def __iter__(self):
+        return iter(self._built())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, LazyOrders):
+            other = other._built()
+        return self._built() == other
+
+    def __hash__(self) -> int:
+        return hash(self._built())
+
+    def __reduce__(self):
+        return tuple, (self._built(),)
+
+    def __repr__(self) -> str:
+        return repr(self._built())
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Schedule:
     """Per-rank action orders of one pipeline schedule for fixed sizes.
@@ -96,7 +137,8 @@ class Schedule:
     virtual_pipeline_model_parallel_size: int
     microbatch_group_size_per_vp_stage: int | None
     stage_to_rank: tuple[int, ...]
-    orders: tuple[tuple[Action, ...], ...]
+    orders: tuple[tuple[Action, ...], ...] | LazyOrders
+    """Built on first use where the builder has closed-form :attr:`rank_ops` (:class:`LazyOrders`)."""
     rank_ops: tuple[RankOps, ...] | None = field(default=None, repr=False, compare=False)
     """``orders`` as plain tuples when the builder has them in closed form (tested equal to the actions): the
     simulator then lowers them with array operations, without checking every action."""

@@ -8,12 +8,12 @@ says about it) and ``megatron_schedule`` (what it runs by default). No other mod
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 
 from megapipe.errors import ScheduleError
-from megapipe.schedules.base import Kind, RankOps, Schedule, check_sizes, rank_ops_of
+from megapipe.schedules.base import Kind, LazyOrders, RankOps, Schedule, check_sizes, rank_ops_of
 from megapipe.schedules.dualpipe_v import SPEC as DUALPIPE_V
 from megapipe.schedules.gpipe import SPEC as GPIPE
 from megapipe.schedules.interleaved import SPEC as INTERLEAVED
@@ -134,8 +134,9 @@ def build(
     group = None
     if item.fixed_chunks is None:
         group = pp if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
-    orders = item.orders(pp, m, v, group)
     closed = item.rank_ops is not None and _closed_form_applies(item, pp, m, v, group)
+    # sizes the closed form accepts build without error: their actions wait until something reads them
+    orders = LazyOrders(partial(item.orders, pp, m, v, group), pp) if closed else item.orders(pp, m, v, group)
     return Schedule(
         name=item.name, pipeline_model_parallel_size=pp, num_microbatches=m,
         virtual_pipeline_model_parallel_size=v, microbatch_group_size_per_vp_stage=group,

@@ -69,7 +69,7 @@ def _critical_path(schedule: Schedule, program: Program, start_at, end_at, delay
     index = len(program.rank_ops[rank]) - 1
     path = []
     while index >= 0:
-        path.append(schedule.orders[rank][index])
+        path.append((rank, index))
         op, dep = program.rank_ops[rank][index], program.deps[rank][index]
         arrival = end_at[dep] + delay_table[program.delay_codes[rank][index]] if dep >= 0 else -1.0
         if start_at[op] > 0.0 and start_at[op] == arrival:
@@ -127,6 +127,6 @@ def simulate(schedule: Schedule, times: StageTimes, *, p2p: P2PCost | None = Non
         bubble_fraction=1.0 - busy_total / (len(stats) * step) if step else 0.0,
         steady_bubble_fraction=max(0.0, 1.0 - busy_total / span_total) if span_total else 0.0,
         ranks=tuple(stats), stage_peak_in_flight=program.stage_peak,
-        critical_path=_critical_path(schedule, program, start_at, end_at, delay_table) if step else (),
+        critical_steps=_critical_path(schedule, program, start_at, end_at, delay_table) if step else (),
         start_ms=tuple(starts), end_ms=tuple(ends),
     )

@@ -144,11 +144,17 @@ class SimResult:
     ranks: tuple[RankStats, ...]
     stage_peak_in_flight: tuple[int, ...]
     """Per layout stage (model order)."""
-    critical_path: tuple[Action, ...]
-    """Ops whose chain fixes step_time_ms, first to last."""
+    critical_steps: tuple[tuple[int, int], ...]
+    """(rank, position in its order) of the ops whose chain fixes step_time_ms, first to last."""
     start_ms: tuple[tuple[float, ...], ...]
     """Aligned with schedule.orders."""
     end_ms: tuple[tuple[float, ...], ...]
+
+    @property
+    def critical_path(self) -> tuple[Action, ...]:
+        """The ops whose chain fixes step_time_ms, first to last (the schedule's actions, built on first use)."""
+        orders = self.schedule.orders
+        return tuple(orders[rank][index] for rank, index in self.critical_steps)
 
     def timeline(self) -> tuple[OpTiming, ...]:
         return tuple(
