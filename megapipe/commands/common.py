@@ -13,6 +13,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,15 +22,15 @@ from megapipe.config import Scenario, to_scenario
 from megapipe.errors import ConfigError
 from megapipe.plandir import PLAN_FILE, read_plan
 from megapipe.profile.format import load_profile
-from megapipe.monitor.jsonl import read_monitor
-from megapipe.monitor.measured import measured_run
 from megapipe.placement import default_gpus, modelled_stage_specs
 from megapipe.profile.match import match_profile
-from megapipe.plan.replan import MeasuredRun
 from megapipe.records import GpuSpec, Partition, Profile, StageSpec
 from megapipe.schedules import megatron_schedule
 from megapipe.simulate import P2PCost, StageTimes
 from megapipe.simulate import inputs as simulate_inputs
+
+if TYPE_CHECKING:  # read only by the commands that read a monitored run (report, replan, calibrate)
+    from megapipe.plan.replan import MeasuredRun
 
 __all__ = ["matched_profile", "scenario_profile", "stage_specs_of", "stage_times", "pipeline_p2p", "print_json",
            "console", "warn", "MonitoredRun", "read_monitored_run", "process_map"]
@@ -128,6 +129,9 @@ class MonitoredRun:
 def read_monitored_run(cfg: DictConfig, *, command: str, run_dir: str | None = None) -> MonitoredRun:
     """RUN_DIR (``run_dir``, else ``input``): the monitor's logs (RUN_DIR or RUN_DIR/monitor), plan.yaml when
     present, the scenario."""
+    from megapipe.monitor.jsonl import read_monitor
+    from megapipe.monitor.measured import measured_run
+
     run_dir = run_dir or _run_dir(cfg, command)
     plan = read_plan(run_dir) if os.path.isfile(os.path.join(run_dir, PLAN_FILE)) else None
     measured = measured_run(read_monitor(run_dir), layout=plan["best"].get("layout") if plan else None)
