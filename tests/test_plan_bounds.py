@@ -177,3 +177,45 @@ def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
     assert any(verdicts) and not all(verdicts)
     for cheap, _, point in bounded[::7]:
         assert cheap <= bounds.step(point) == fresh.bounds.bound(space.candidate(point)).step_ms
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["model=llama3_8b", "cluster.num_nodes=2", "train.global_batch_size=128"],
+    ["model=llama3_70b", "cluster.num_nodes=4", "train.global_batch_size=64", "train.seq_length=4096",
+     "search.what_if_schedules=true"],
+])
+def test_memory_floor_never_exceeds_a_partition_floor(overrides):
+    """The memory floor (each rank's decoder capacity under its memory, water-filled) is a lower bound on the
+    partition floor of every split the solver finds, on every schedule, and sharper than the closed-form bound
+    where memory forces an uneven split; where it says no split fits, the solver finds none."""
+    import random
+
+    from megapipe.config import compose, to_scenario
+    from megapipe.config.options import search_options
+    from megapipe.errors import MegapipeError
+
+    cfg = compose(overrides)
+    scenario = to_scenario(cfg, search=True)
+    options = search_options(cfg)
+    evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster, options=options)
+    space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
+                                 fixed=scenario.fixed, options=options)
+    applied = sharper = 0
+    for point in random.Random(0).sample(space.points, 150):
+        cand = space.candidate(point)
+        floor = evaluator.bounds.memory_floor_ms(cand)
+        if floor is None:
+            continue
+        applied += 1
+        if floor == float("inf"):
+            with pytest.raises(MegapipeError):
+                evaluator.prepare(cand)
+            continue
+        try:
+            prepared = evaluator.prepare(cand)
+        except MegapipeError:
+            continue
+        assert floor <= prepared.floor_ms * (1 + 1e-9), (point, floor, prepared.floor_ms)
+        sharper += floor > evaluator.bounds.bound(cand).step_ms * (1 + 1e-6)
+    assert applied >= 100 and sharper >= 1

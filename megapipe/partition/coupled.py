@@ -33,7 +33,7 @@ from megapipe.partition.counts import Pins, count_search, first_ok, rank_stages,
 from megapipe.records import LayerCost, LayerKind, StageSpec
 
 __all__ = ["UniformShape", "uniform_shape", "rank_stages", "rank_peaks", "profile_rows", "uniform_split",
-           "uniform_fits", "uniform_may_fit", "bottleneck_of"]
+           "uniform_fits", "uniform_may_fit", "uniform_rank_totals", "bottleneck_of"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,9 +119,9 @@ def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: 
     arrays = [np.asarray(profile) for profile in profiles]
     if all(len(array.shape) == 2 and array.shape[1] == len(own) for array, own in zip(arrays, owned)) \
             and len({len(own) for own in owned}) == 1:
-        found = _stacked_capacity(shape, stages, owned, arrays, low)
+        found = _stacked_totals(shape, stages, owned, arrays, low)
         if found is not None:
-            return found
+            return found is not False and float(found[1].sum()) >= shape.num_decoders
     problems = _uniform_search(shape, stages, ranks, profiles).problems
     if not all(problem.fits(problem.low) for problem in problems):
         return False
@@ -129,9 +129,23 @@ def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: 
     return sum(problem.upper((top,) * len(problem.stages)) for problem in problems) >= top - 1e-9
 
 
-def _stacked_capacity(shape: UniformShape, stages, owned, arrays, low) -> bool | None:
-    """:func:`uniform_may_fit` for ranks of equally many stages, on their stacked rows (None: some rank's rows do
-    not fall along its stages). With every other stage at its fewest decoders, back-loading fills a rank's last
+def uniform_rank_totals(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],
+                        profiles: Sequence[Sequence[Sequence[int]]]):
+    """(fewest, largest) decoders each rank can hold in a split that fits its coupled memory, as arrays over ranks
+    (the largest leaning high in rounding, as :func:`uniform_may_fit`'s); False when some rank cannot hold even its
+    fewest; None when this closed form does not apply (ranks of unequally many stages, rows not along them)."""
+    low = uniform_pins(shape, len(ranks)).low
+    owned = rank_stages(ranks, len(stages))
+    arrays = [np.asarray(profile) for profile in profiles]
+    if not all(len(array.shape) == 2 and array.shape[1] == len(own) for array, own in zip(arrays, owned)) \
+            or len({len(own) for own in owned}) != 1:
+        return None
+    return _stacked_totals(shape, stages, owned, arrays, low)
+
+
+def _stacked_totals(shape: UniformShape, stages, owned, arrays, low):
+    """:func:`uniform_rank_totals` for ranks of equally many stages, on their stacked rows (None: some rank's rows
+    do not fall along its stages). With every other stage at its fewest decoders, back-loading fills a rank's last
     stage until a row's room runs out (each rank's largest total, as :meth:`RankProblem.largest` finds it); a
     rank whose last stage takes every decoder settles it at once."""
     decoder, top = shape.decoder, shape.num_decoders
@@ -156,7 +170,8 @@ def _stacked_capacity(shape: UniformShape, stages, owned, arrays, low) -> bool |
     last = weights[:, -1]
     within = np.where(last > 0, np.floor(spare / np.where(last > 0, last, 1.0) + 1e-9), top)
     most = np.minimum.reduceat(within, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
-    return float((lows.sum(axis=1) + np.minimum(most, top)).sum()) >= top
+    fewest = lows.sum(axis=1)
+    return fewest, fewest + np.minimum(most, top)
 
 
 def uniform_fits(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: Sequence[int],

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from megapipe.partition.coupled import UniformShape
 from megapipe.schedules import spec
 
-__all__ = ["least_in_flight", "water_level", "split_can_fit", "pipeline_floor_ms"]
+__all__ = ["least_in_flight", "water_level", "split_can_fit", "stage_capacities", "pipeline_floor_ms"]
 
 _SLACK = 1e-6
 """Decoder-count slack that absorbs the solver's prefix-sum rounding: split_can_fit only says no when sure."""
@@ -59,9 +59,17 @@ def split_can_fit(*, shape: UniformShape, caps: Sequence[float], in_flight: Sequ
     neither the head nor the tail needs d_c >= 1. Decoders are interchangeable, so such counts
     exist iff each stage's capacity meets its minimum and the capacities sum to num_decoders.
     """
+    found = stage_capacities(shape=shape, caps=caps, in_flight=in_flight)
+    return found is not None and sum(found[1]) >= shape.num_decoders
+
+
+def stage_capacities(*, shape: UniformShape, caps: Sequence[float], in_flight: Sequence[int]
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(fewest, most) decoders each layout stage can hold within its cap (:func:`split_can_fit`'s capacities, at
+    most num_decoders each), or None when some stage cannot hold its fewest."""
     last = len(caps) - 1
     decoder = shape.decoder
-    capacity_sum = 0
+    fewest, most = [], []
     for chunk, (cap, count) in enumerate(zip(caps, in_flight)):
         pinned, holds_entry = 0.0, False
         for entry, where in ((shape.head, 0), (shape.tail, last)):
@@ -70,16 +78,18 @@ def split_can_fit(*, shape: UniformShape, caps: Sequence[float], in_flight: Sequ
                 holds_entry = True
         unit = decoder.static_bytes + count * decoder.act_bytes
         room = cap - pinned
+        low = 0 if holds_entry else 1
         if unit <= 0:
             if room < -_SLACK * abs(cap):
-                return False
-            capacity_sum = shape.num_decoders
-            continue
-        capacity = math.floor(room / unit + _SLACK)
-        if capacity < (0 if holds_entry else 1):
-            return False
-        capacity_sum += capacity
-    return capacity_sum >= shape.num_decoders
+                return None
+            capacity = shape.num_decoders
+        else:
+            capacity = math.floor(room / unit + _SLACK)
+            if capacity < low:
+                return None
+        fewest.append(low)
+        most.append(min(capacity, shape.num_decoders))
+    return tuple(fewest), tuple(most)
 
 
 def pipeline_floor_ms(*, schedule: str, stage_to_rank: Sequence[int], fwd_ms: Sequence[float],

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import dataclasses
 from dataclasses import dataclass
 
 from megapipe.partition.memory import in_flight_counts, stage_ranks
-from megapipe.partition.coupled import UniformShape, uniform_may_fit, uniform_shape
+from megapipe.partition.coupled import UniformShape, uniform_may_fit, uniform_rank_totals, uniform_shape
 from megapipe.partition.pinned import PinnedShape, pinned_may_fit, pinned_shape
-from megapipe.plan.bounds import least_in_flight, split_can_fit, water_level
+from megapipe.plan.bounds import least_in_flight, split_can_fit, stage_capacities, water_level
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.per_stage_recompute import RECOMPUTE_OPTIONS, variant
 from megapipe.plan.plans import Candidate
@@ -296,6 +298,64 @@ class CandidateBounds:
             return pinned_may_fit(shape=shape, stages=specs, ranks=ranks, profiles=profiles)
         return uniform_may_fit(shape=shape, stages=specs, ranks=ranks, profiles=profiles)
 
+    def memory_floor_ms(self, cand: Candidate) -> float | None:
+        """A lower bound on the step of every split that fits memory, sharper than :meth:`bound` where memory forces
+        an uneven split; None where it does not apply (a profile other than identical decoders between the
+        embedding and the loss, a mixed cluster, per-stage recompute, memory ignored); inf where no split fits.
+
+        Each rank holds between its fewest and its largest decoder total under its memory (one stage per rank:
+        :func:`~megapipe.plan.bounds.stage_capacities`; several: their coupled memory,
+        :func:`~megapipe.partition.coupled.uniform_rank_totals`), the embedding's F + B sits on the first stage's
+        rank and the loss's on the last's, and every decoder costs at least the lightest's F + B. The busiest rank
+        of any fitting split is then at least the level L at which the ranks' capped shares hold every decoder
+        (water-filling, relaxed to fractions), and it runs its work for each of the m microbatches in turn: step
+        >= m L + the step overhead + the mean rank's optimizer step and exposed DP sync (as in :meth:`bound`).
+        tests/test_plan_bounds.py checks it against every partition floor of a search."""
+        if cand.per_stage_recompute or self.options.ignore_memory_limit or self.cluster.is_heterogeneous:
+            return None
+        shape = self._shape(cand)
+        par = cand.parallel
+        pp = par.pipeline_model_parallel_size
+        ranks = self._layout_ranks(cand)
+        if not isinstance(shape, UniformShape):
+            return None
+        specs = self.costs.stage_specs(cand, None, layers_of=self.costs.bound_layers)
+        if len(ranks) == pp:  # one stage per rank: each stage's capacity under its own in-flight count
+            in_flight = in_flight_counts(schedule=cand.schedule, pipeline_model_parallel_size=pp,
+                                         num_microbatches=cand.num_microbatches)
+            found = stage_capacities(shape=shape, caps=[specs[rank].memory_bytes for rank in ranks],
+                                     in_flight=in_flight)
+            if found is None:
+                return math.inf
+            fewest, largest = np.zeros(pp), np.zeros(pp)
+            for stage, rank in enumerate(ranks):
+                fewest[rank] += found[0][stage]
+                largest[rank] += found[1][stage]
+        else:
+            profiles = rank_in_flight_profiles(
+                cand.schedule, pipeline_model_parallel_size=pp, num_microbatches=cand.num_microbatches,
+                virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+                microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
+            found = uniform_rank_totals(shape=shape, stages=specs, ranks=ranks, profiles=profiles)
+            if found is None:
+                return None
+            if found is False:
+                return math.inf
+            fewest, largest = found
+        totals = self.totals(cand)
+        per_decoder = totals.decoder_min_ms
+        if per_decoder <= 0:
+            return None
+        pinned = np.zeros(pp)
+        for entry, rank in ((shape.head, ranks[0]), (shape.tail, ranks[-1])):
+            if entry is not None:
+                pinned[rank] += entry.fwd_ms + entry.bwd_ms
+        level = _capped_level(pinned, per_decoder, fewest, largest, shape.num_decoders)
+        if level is None:
+            return math.inf
+        optimizer, sync = self._dp_step_terms(cand, totals, True)
+        return cand.num_microbatches * level + self.cluster.runtime.step_overhead_ms + optimizer + sync
+
     def _shape(self, cand: Candidate) -> UniformShape | PinnedShape | None:
         """The bound profile's shape: identical decoders between the embedding and the loss, else a few entries at
         each end around a run of identical decoders; per layer key and DP."""
@@ -339,6 +399,31 @@ class CandidateBounds:
                    for layers in others for low, entry in zip(least, layers)):
             return True
         return self.split_can_fit(lightest, gpus)
+
+
+def _capped_level(pinned, per_layer: float, fewest, largest, num_layers: int) -> float | None:
+    """The least L with sum_r clip((L - pinned_r) / per_layer, fewest_r, largest_r) >= num_layers, and L no less than
+    any rank's pinned work plus its fewest layers (fractions allowed, so no integer split's busiest rank is
+    below it); None when the largest totals cannot hold every layer. Bisection, ending on the low side."""
+    if float(largest.sum()) < num_layers:
+        return None
+    low = float((pinned + fewest * per_layer).max())
+    high = float((pinned + largest * per_layer).max())
+
+    def held(level: float) -> float:
+        return float(np.clip((level - pinned) / per_layer, fewest, largest).sum())
+
+    if held(low) >= num_layers:
+        return low
+    for _ in range(60):
+        middle = (low + high) / 2
+        if held(middle) >= num_layers:
+            high = middle
+        else:
+            low = middle
+        if high - low <= 1e-12 * max(1.0, high):
+            break
+    return low
 
 
 def _integer_level(pinned: list[float], per_layer: float, num_layers: int) -> float:

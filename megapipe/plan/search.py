@@ -295,12 +295,13 @@ def _min_time_scale(evaluator: Evaluator) -> float:
 def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _PointBounds, pruned: Counter, progress
                       ) -> tuple[list[Plan], Counter, float]:
     """Best first over lower bounds that sharpen: a candidate's cheap pipeline bound, its closed-form bound, its
-    partition's floor, then its schedule's relaxed step (:meth:`Evaluator.relaxed_floor_ms`).
+    memory floor, its partition's floor, then its schedule's relaxed step (:meth:`Evaluator.relaxed_floor_ms`).
 
-    A point popped under its cheap bound is dropped if it cannot fit memory, else and pushed back under its
-    full closed-form bound. A popped candidate is partitioned and pushed back under max(bound, floor); popped again, each placement
-    still below the cutoff gets the relaxed floor and the candidate goes back under it; popped a third time,
-    it is simulated. Once the smallest key is no better than the k-th best exact step, nothing left can rank.
+    A point popped under its cheap bound is dropped if it cannot fit memory, else pushed back under its full
+    closed-form bound; popped again, under its memory floor where memory forces an uneven split
+    (:meth:`~megapipe.plan.candidate_bounds.CandidateBounds.memory_floor_ms`). A popped candidate is then
+    partitioned and pushed back under max(bound, floor); popped again, each placement still below the cutoff gets
+    the relaxed floor and the candidate goes back under it; popped a third time, it is simulated. Once the smallest key is no better than the k-th best exact step, nothing left can rank.
     With ``bubble_target`` everything is evaluated.
     """
     options = evaluator.options
@@ -322,8 +323,17 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
             if not bounds.fits(point):
                 pruned["memory"] += 1
                 continue
-            heapq.heappush(heap, (max(key, bounds.step(point)), index, point, None))
+            heapq.heappush(heap, (max(key, bounds.step(point)), index, point, _BOUNDED))
             continue
+        if placed is _BOUNDED:  # where memory forces an uneven split, its floor before partitioning
+            floor = evaluator.bounds.memory_floor_ms(space.candidate(point))
+            if floor is not None and floor > key:
+                if floor == float("inf"):
+                    pruned["memory"] += 1
+                else:
+                    heapq.heappush(heap, (floor, index, point, None))
+                continue
+            placed = None
         if placed is None:
             if progress is not None:
                 progress(done, len(bounded))
@@ -378,6 +388,10 @@ def _sharpen(evaluator: Evaluator, placed: list[_Placed], cutoff_ms: float | Non
 
 _UNCHECKED = object()
 """A heap entry under its cheap bound only (:meth:`_PointBounds.cheap`)."""
+
+_BOUNDED = object()
+"""A heap entry under its full closed-form bound, before its memory floor
+(:meth:`~megapipe.plan.candidate_bounds.CandidateBounds.memory_floor_ms`)."""
 
 _FLOOR_MARGIN = 1e-9
 """Partition floors are compared with this relative margin, so float rounding can never prune a plan that ranks."""
