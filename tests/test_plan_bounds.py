@@ -219,3 +219,37 @@ def test_memory_floor_never_exceeds_a_partition_floor(overrides):
         assert floor <= prepared.floor_ms * (1 + 1e-9), (point, floor, prepared.floor_ms)
         sharper += floor > evaluator.bounds.bound(cand).step_ms * (1 + 1e-6)
     assert applied >= 100 and sharper >= 1
+
+
+def test_capped_level_is_the_least_level_that_holds_every_layer():
+    """The water level with per-rank caps, solved at the corners, equals bisection on the held-layers sum."""
+    import random
+
+    import numpy as np
+
+    from megapipe.plan.candidate_bounds import _capped_level
+
+    rng = random.Random(3)
+    for _ in range(300):
+        ranks = rng.randint(1, 8)
+        pinned = np.array([rng.choice([0.0, rng.uniform(0, 5)]) for _ in range(ranks)])
+        fewest = np.array([float(rng.randint(0, 2)) for _ in range(ranks)])
+        largest = fewest + np.array([float(rng.randint(0, 12)) for _ in range(ranks)])
+        layers = rng.randint(1, 40)
+        per_layer = rng.uniform(0.5, 3.0)
+        level = _capped_level(pinned, per_layer, fewest, largest, layers)
+        if largest.sum() < layers:
+            assert level is None
+            continue
+
+        def held(value):
+            return np.clip((value - pinned) / per_layer, fewest, largest).sum()
+
+        low, high = float((pinned + fewest * per_layer).max()), float((pinned + largest * per_layer).max())
+        if held(low) < layers:
+            for _ in range(200):
+                middle = (low + high) / 2
+                low, high = (low, middle) if held(middle) >= layers else (middle, high)
+            low = high
+        assert level == pytest.approx(low, rel=1e-9, abs=1e-9)
+        assert held(level * (1 + 1e-9) + 1e-12) >= layers - 1e-6

@@ -354,7 +354,7 @@ class CandidateBounds:
         if level is None:
             return math.inf
         optimizer, sync = self._dp_step_terms(cand, totals, True)
-        return cand.num_microbatches * level + self.cluster.runtime.step_overhead_ms + optimizer + sync
+        return cand.num_microbatches * level * (1 - 1e-9) + self.cluster.runtime.step_overhead_ms + optimizer + sync
 
     def _shape(self, cand: Candidate) -> UniformShape | PinnedShape | None:
         """The bound profile's shape: identical decoders between the embedding and the loss, else a few entries at
@@ -402,28 +402,21 @@ class CandidateBounds:
 
 
 def _capped_level(pinned, per_layer: float, fewest, largest, num_layers: int) -> float | None:
-    """The least L with sum_r clip((L - pinned_r) / per_layer, fewest_r, largest_r) >= num_layers, and L no less than
-    any rank's pinned work plus its fewest layers (fractions allowed, so no integer split's busiest rank is
-    below it); None when the largest totals cannot hold every layer. Bisection, ending on the low side."""
+    """The least L with sum_r clip((L - pinned_r) / per_layer, fewest_r, largest_r) >= num_layers and no less than any
+    rank's pinned work plus its fewest layers (fractions allowed, so no integer split's busiest rank is below it); None when the largest totals cannot hold every layer. The sum
+    is piecewise linear in L with its corners where a rank reaches its fewest or its largest: evaluated at every
+    corner, then solved on the segment where it crosses num_layers."""
     if float(largest.sum()) < num_layers:
         return None
-    low = float((pinned + fewest * per_layer).max())
-    high = float((pinned + largest * per_layer).max())
-
-    def held(level: float) -> float:
-        return float(np.clip((level - pinned) / per_layer, fewest, largest).sum())
-
-    if held(low) >= num_layers:
-        return low
-    for _ in range(60):
-        middle = (low + high) / 2
-        if held(middle) >= num_layers:
-            high = middle
-        else:
-            low = middle
-        if high - low <= 1e-12 * max(1.0, high):
-            break
-    return low
+    corners = np.unique(np.concatenate([pinned + fewest * per_layer, pinned + largest * per_layer]))
+    held = np.clip((corners[:, None] - pinned[None, :]) / per_layer, fewest[None, :], largest[None, :]).sum(axis=1)
+    at = int(np.searchsorted(held, num_layers - 1e-9))  # the first corner that holds them all
+    least = float((pinned + fewest * per_layer).max())  # every rank runs at least its fewest layers
+    if at == 0:
+        return max(least, float(corners[0]))
+    low, high = corners[at - 1], corners[at]
+    below, above = held[at - 1], held[at]
+    return max(least, float(low + (high - low) * (num_layers - below) / (above - below)))
 
 
 def _integer_level(pinned: list[float], per_layer: float, num_layers: int) -> float:
