@@ -182,7 +182,9 @@ def _print(result, cluster, directory: str, *, nodes_source: str | None, picture
         out.print(f"each job's searches try VP up to {max_virtual} (search.max_virtual_pipeline_model_parallel_size; "
                   "`megapipe plan` of one job tries every VP Megatron allows)", markup=False)
     names = ", ".join(os.path.basename(path) for path in pictures)
-    out.print(f"decided in {result.seconds:.1f} s ({result.searches} planner searches in all); files in {directory}: "
+    depths = "/".join(str(size) for size in result.baseline_pipeline_sizes)
+    each = f", each also at pipeline sizes {depths} for the fixed-depth baseline" if depths else ""
+    out.print(f"decided in {result.seconds:.1f} s ({result.searches} planner searches in all{each}); files in {directory}: "
               f"pack.yaml, {names + ', ' if names else ''}jobs/<name>/ (plan.yaml, megatron_args.txt, "
               "launch_megatron.sh, launch_slurm.sbatch, bridge_overrides.txt, nemo2_overrides.txt, "
               "nemo1_overrides.txt)", markup=False)

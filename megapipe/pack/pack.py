@@ -83,6 +83,8 @@ class PackResult:
     """Wall time of the decision: curves and the exact packing (the what-if excluded; the curves' searches also give
     the fixed-depth baseline's points)."""
     curve_options: tuple[tuple[Option, ...], ...] = field(default=(), repr=False)
+    baseline_pipeline_sizes: tuple[int, ...] = ()
+    """The pipeline sizes each curve search also answered for (the fixed-depth baseline's)."""
 
 
 def peak_flops(cluster: ClusterSpec) -> float:
@@ -347,4 +349,4 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
     return PackResult(jobs=present, capacities=capacities, objective=options.objective, packed=packed,
                       alternative=alternative, baselines=tuple(found), what_if=what_if, what_if_jobs=what_if_jobs, what_if_capacities=after,
                       moves=moves, moved=moved, searches=cache.searches, seconds=seconds,
-                      curve_options=tuple(curves))
+                      curve_options=tuple(curves), baseline_pipeline_sizes=tuple(sizes))
