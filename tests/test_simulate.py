@@ -207,6 +207,20 @@ def test_relaxed_step_sees_a_stall_the_work_floor_misses():
     assert (floor, _relaxed(schedule, times), simulate(schedule, times).step_time_ms) == (63.0, 76.0, 78.0)
 
 
+def test_relaxed_step_stops_at_enough_with_a_bound_still():
+    """Asked only whether the bound reaches a value, the relaxation stops at the first rank (busiest first) whose end
+    reaches it: the answer is then at least that value and never above the full bound; below it, the full bound."""
+    schedule = build("interleaved_1f1b", pipeline_model_parallel_size=2, num_microbatches=4,
+                     virtual_pipeline_model_parallel_size=2)
+    fwd = (1.0, 1.0, 4.0, 4.0)
+    times = StageTimes(fwd_ms=fwd, bwd_ms=tuple(2 * f for f in fwd), wgrad_ms=(0.0,) * 4)
+    full = _relaxed(schedule, times)
+    ops = rank_ops_of(schedule.orders)
+    for enough in (1.0, 60.0, full, full + 1.0):
+        found = relaxed_step_ms(ops, schedule.stage_to_rank, times, num_microbatches=4, enough_ms=enough)
+        assert found <= full and (found >= enough or found == full)
+
+
 def _relaxed(schedule, times, p2p=None):
     return relaxed_step_ms(rank_ops_of(schedule.orders), schedule.stage_to_rank, times,
                            num_microbatches=schedule.num_microbatches, p2p=p2p)

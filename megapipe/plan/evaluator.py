@@ -158,10 +158,11 @@ class Evaluator:
         sim = simulate(self.schedule(cand), prepared.times, p2p=p2p)
         return self._plan(prepared, sim)
 
-    def relaxed_floor_ms(self, prepared: Prepared) -> float:
+    def relaxed_floor_ms(self, prepared: Prepared, *, enough_ms: float | None = None) -> float:
         """A sharper lower bound on the plan's step than ``prepared.floor_ms``, without simulating: each rank's
         own order timed exactly with every other rank unbounded (:func:`megapipe.simulate.relaxed_step_ms`),
-        plus the DP sync, optimizer step and step overhead the plan adds."""
+        plus the DP sync, optimizer step and step overhead the plan adds. With ``enough_ms``, the first rank
+        whose bound reaches it ends the count (the bound returned is then at least ``enough_ms``)."""
         cand = prepared.cand
         p2p = p2p_cost(model=self.model, cluster=self.cluster, parallel=cand.parallel, train=cand.train)
         par = cand.parallel
@@ -169,10 +170,12 @@ class Evaluator:
                                  num_microbatches=cand.num_microbatches,
                                  virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
                                  microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
-        pipeline = relaxed_step_ms(ops, prepared.partition.stage_to_rank, prepared.times,
-                                   num_microbatches=cand.num_microbatches, p2p=p2p)
         sums = prepared.sums
-        return pipeline + sums.sync_ms + sums.optimizer_ms + self.cluster.runtime.step_overhead_ms
+        extra = sums.sync_ms + sums.optimizer_ms + self.cluster.runtime.step_overhead_ms
+        pipeline = relaxed_step_ms(ops, prepared.partition.stage_to_rank, prepared.times,
+                                   num_microbatches=cand.num_microbatches, p2p=p2p,
+                                   enough_ms=None if enough_ms is None else enough_ms - extra)
+        return pipeline + extra
 
     def step_time_s(self, prepared: Prepared) -> float:
         """The plan's step time without the rest of its record (:meth:`finish`'s step_time_s, cheaper)."""

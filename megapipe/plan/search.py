@@ -377,7 +377,9 @@ def _sharpen(evaluator: Evaluator, placed: list[_Placed], cutoff_ms: float | Non
         if item.sharpened or cutoff_ms is not None and item.floor_ms >= cutoff_ms:
             continue
         try:
-            relaxed = evaluator.relaxed_floor_ms(item.prepared) * (1 - _FLOOR_MARGIN)
+            # a rank's bound that reaches the cutoff settles it: the rest need not be timed
+            enough = None if cutoff_ms is None else cutoff_ms / (1 - _FLOOR_MARGIN)
+            relaxed = evaluator.relaxed_floor_ms(item.prepared, enough_ms=enough) * (1 - _FLOOR_MARGIN)
         except ScheduleError:
             pruned["schedule"] += 1
             placed.clear()

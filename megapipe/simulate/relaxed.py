@@ -26,12 +26,23 @@ _F, _B, _W = KIND_CODE[Kind.F], KIND_CODE[Kind.B], KIND_CODE[Kind.W]
 
 
 def relaxed_step_ms(rank_ops: Sequence[RankOps], stage_to_rank: Sequence[int], times: StageTimes, *,
-                    num_microbatches: int, p2p: P2PCost | None = None) -> float:
+                    num_microbatches: int, p2p: P2PCost | None = None, enough_ms: float | None = None) -> float:
     """A lower bound on :func:`megapipe.simulate.simulate`'s step time for the schedule whose per-rank orders
-    are ``rank_ops`` (:func:`megapipe.schedules.rank_ops`), with the same times and messages (see the module)."""
+    are ``rank_ops`` (:func:`megapipe.schedules.rank_ops`), with the same times and messages (see the module).
+
+    Each rank's end bounds the step alone, so with ``enough_ms`` the ranks are timed busiest first and the first
+    end at or past it is returned: still a lower bound, and the caller only needed to know it reaches that far."""
     chains = _Chains(rank_ops, stage_to_rank, times, p2p or P2PCost())
-    return max((_rank_end(ops, rank, chains, num_microbatches) for rank, ops in enumerate(rank_ops) if ops.kinds),
-               default=0.0)
+    work = [0.0] * len(rank_ops)
+    for stage, rank in enumerate(stage_to_rank):
+        work[rank] += times.fwd_ms[stage] + times.bwd_ms[stage]
+    order = sorted((rank for rank, ops in enumerate(rank_ops) if ops.kinds), key=lambda rank: (-work[rank], rank))
+    step = 0.0
+    for rank in order:
+        step = max(step, _rank_end(rank_ops[rank], rank, chains, num_microbatches))
+        if enough_ms is not None and step >= enough_ms:
+            break
+    return step
 
 
 class _Chains:
