@@ -176,6 +176,7 @@ def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
     assert verdicts == [fresh.bounds.memory_bound_of(space.candidate(point)) <= cap for _, _, point in bounded]
     assert any(verdicts) and not all(verdicts)
     for cheap, _, point in bounded[::7]:
+        assert cheap == fresh.bounds.pipeline_bound(space.candidate(point))  # per layer key, as per point
         assert cheap <= bounds.step(point) == fresh.bounds.bound(space.candidate(point)).step_ms
 
 

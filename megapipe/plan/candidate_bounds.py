@@ -122,19 +122,27 @@ class CandidateBounds:
         sizes any."""
         if cand.per_stage_recompute:
             return self._per_stage_bound(cand, min_time_scale=min_time_scale).step_ms
-        key = cand.layer_key
+        return self.pipeline_term(cand, pipeline_model_parallel_size=cand.parallel.pipeline_model_parallel_size,
+                                  num_microbatches=cand.num_microbatches, schedule=cand.schedule,
+                                  min_time_scale=min_time_scale)
+
+    def pipeline_term(self, layer: Candidate, *, pipeline_model_parallel_size: int, num_microbatches: int,
+                      schedule: str, min_time_scale: float = 1.0) -> float:
+        """:meth:`pipeline_bound` of a candidate with ``layer``'s layer key and these sizes and schedule (the search
+        asks it per point without building each point's record)."""
+        key = layer.layer_key
         found = self._time_totals.get(key)
         if found is None:
-            units, counts = self.costs.time_runs(cand)
+            units, counts = self.costs.time_runs(layer)
             found = self._time_totals[key] = (
                 repeated_sum([unit.fwd_ms for unit in units], counts), repeated_sum([unit.bwd_ms for unit in units],
                                                                                     counts),
                 min((unit.fwd_ms / (unit.fwd_ms + unit.bwd_ms) for unit in units if unit.fwd_ms + unit.bwd_ms > 0),
                     default=0.0))
         fwd_ms, bwd_ms, forward_share = found
-        pp, m = cand.parallel.pipeline_model_parallel_size, cand.num_microbatches
+        pp, m = pipeline_model_parallel_size, num_microbatches
         total_ms = (fwd_ms + bwd_ms) * min_time_scale
-        phi = {PathShare.whole: 1.0, PathShare.forward: forward_share}.get(spec(cand.schedule).path_share, 0.0)
+        phi = {PathShare.whole: 1.0, PathShare.forward: forward_share}.get(spec(schedule).path_share, 0.0)
         ratio = 1.0 - phi / m
         return m * total_ms / sum(ratio ** r for r in range(pp)) + self.cluster.runtime.step_overhead_ms
 

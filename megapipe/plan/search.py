@@ -231,6 +231,7 @@ class _PointBounds:
         self.classes = {name: item.bound_class for name, item in SPECS.items()}
         self._steps: dict[tuple, float] = {}
         self._cheap: dict[tuple, float] = {}
+        self._layers: dict[tuple, Candidate] = {}
         self._memory: dict[tuple, bool] = {}
         self._tokens: dict = {}
         self._token_of: dict[int, int] = {}
@@ -242,8 +243,17 @@ class _PointBounds:
         key = self._sizes(point) + (id(point.features),)
         found = self._cheap.get(key)
         if found is None:
-            found = self._cheap[key] = self.evaluator.bounds.pipeline_bound(self.space.candidate(point),
-                                                                          min_time_scale=self.min_scale)
+            if point.per_stage_recompute:
+                found = self.evaluator.bounds.pipeline_bound(self.space.candidate(point), min_time_scale=self.min_scale)
+            else:  # one record per layer key (the sizes unit costs read), not one per point
+                layer_key = point[:2] + point[5:8] + point[11:13] + (id(point.features),)
+                layer = self._layers.get(layer_key)
+                if layer is None:
+                    layer = self._layers[layer_key] = self.space.candidate(point)
+                found = self.evaluator.bounds.pipeline_term(
+                    layer, pipeline_model_parallel_size=point.pipeline_model_parallel_size,
+                    num_microbatches=point.num_microbatches, schedule=point.schedule, min_time_scale=self.min_scale)
+            self._cheap[key] = found
         return found
 
     def fits(self, point: Point) -> bool:
