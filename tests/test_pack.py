@@ -300,8 +300,8 @@ def test_the_even_split_names_the_job_it_cannot_place():
 
 
 def test_the_answer_does_not_depend_on_the_processes_that_search():
-    """The curves' searches run one batch per job shape through a process pool or the built-in map; the packing,
-    every baseline and the search count are the same."""
+    """The curves' searches run one batch per job shape (two when there are too few shapes for the processes) through
+    a process pool or the built-in map; the packing, every baseline and the search count are the same."""
     import multiprocessing
 
     from megapipe.config import compose, to_scenario
@@ -317,13 +317,15 @@ def test_the_answer_does_not_depend_on_the_processes_that_search():
     options = PackOptions(node_counts=(1, 2, 4), baseline_pipeline_sizes=(1, 2))
     alone = pack_jobs(jobs, cluster, options)
     with multiprocessing.get_context("fork").Pool(2) as pool:
-        pooled = pack_jobs(jobs, cluster, options, mapper=pool.imap)
+        pooled = pack_jobs(jobs, cluster, options, mapper=pool.imap)  # a batch per shape
+        halved = pack_jobs(jobs, cluster, options, mapper=pool.imap, workers=2)  # two per shape: too few shapes
 
     def summary(result):
         return [(policy.name, [(o.group, o.nodes, o.tokens_per_s) if o else None for o in policy.options],
                  policy.weighted_flops_per_s) for policy in (result.packed, *result.baselines)]
 
-    assert summary(alone) == summary(pooled) and alone.searches == pooled.searches
+    assert summary(alone) == summary(pooled) == summary(halved)
+    assert alone.searches == pooled.searches == halved.searches
 
 
 def test_pack_runs_on_the_node_count_its_job_list_is_written_for(tmp_path, capsys):

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # read only by the commands that read a monitored run (report
     from megapipe.plan.replan import MeasuredRun
 
 __all__ = ["matched_profile", "scenario_profile", "stage_specs_of", "stage_times", "pipeline_p2p", "print_json",
-           "console", "warn", "MonitoredRun", "read_monitored_run", "process_map"]
+           "console", "warn", "MonitoredRun", "read_monitored_run", "process_map", "process_workers"]
 
 _PIPED_WIDTH = 160
 """Columns when stdout is not a terminal: rich would fold tables into 80."""
@@ -187,13 +187,18 @@ def _check_sizes(scenario: Scenario, measured: MeasuredRun, plan: dict | None) -
         )
 
 
+def process_workers(count: int) -> int:
+    """How many processes :func:`process_map` runs ``count`` tasks on: the machine's cores, at most one per task."""
+    return max(1, min(os.cpu_count() or 1, count))
+
+
 @contextlib.contextmanager
 def process_map(count: int, *, one_at_a_time: bool = False):
     """A ``map`` for ``count`` independent tasks over the machine's cores: a fork process pool, in order, or the
     built-in map when one process is all there is (one core, or one task). Work handed to it must not depend on
     how many processes run it. Tasks go out in chunks (a quarter of each process's share), or ``one_at_a_time``
     when they are few, long and of uneven cost."""
-    workers = max(1, min(os.cpu_count() or 1, count))
+    workers = process_workers(count)
     if workers == 1:
         yield map
         return

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from megapipe.commands import painter
-from megapipe.commands.common import console, print_json, process_map, warn
+from megapipe.commands.common import console, print_json, process_map, process_workers, warn
 from megapipe.config import Scenario, recorded_inputs, to_scenario
 from megapipe.config.jobs import jobs_of, pack_options, with_jobs_nodes
 from megapipe.config.options import output_options, search_options
@@ -140,7 +140,8 @@ def _pictures(result, cluster, directory: str) -> list[str]:
 def run(job: PackInputs, *, directory: str) -> None:
     cluster = job.scenario.cluster
     with process_map(len(job.jobs), one_at_a_time=True) as mapper:  # a 405B job's curve against an 8B one's
-        result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper)
+        result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper,
+                           workers=process_workers(len(job.jobs)))
     document = pack_document(result, cluster, inputs=job.inputs)
     atomic_write_text(os.path.join(directory, "pack.yaml"), dump_yaml(document))
     written = [os.path.join(directory, "pack.yaml")]

@@ -88,9 +88,11 @@ class CurveCache:
         return self.found[key]
 
     def prefetch(self, requests: Sequence[tuple[JobSpec, int, int, int | None]], mapper: Callable = map, *,
-                 depths: Sequence[int] = ()) -> None:
-        """Run the searches of ``requests`` ((job, group, nodes, fixed pipeline size) each) not yet run, two batches
-        per job shape through ``mapper`` (a process pool's map runs them side by side); each search is the one
+                 depths: Sequence[int] = (), workers: int = 1) -> None:
+        """Run the searches of ``requests`` ((job, group, nodes, fixed pipeline size) each) not yet run, a batch per
+        job shape through ``mapper`` (a process pool's map of ``workers`` processes runs them side by side; with
+        fewer than two shapes per process, each shape's searches go in two batches, so one heavy shape keeps two
+        processes busy; otherwise a shape's searches share its unit costs in one); each search is the one
         :meth:`best` runs, so the curves do not depend on how they were run. With ``depths``, a request without a
         fixed pipeline size also gives the curve points at each of them (:func:`megapipe.plan.search.search_by_depth`:
         the same results as searching each depth alone, from one search)."""
@@ -101,9 +103,11 @@ class CurveCache:
                 wanted = tuple(depth for depth in depths if _keys(job, group, nodes, depth)[1] not in self.found
                                ) if pipeline is None else ()
                 batches.setdefault(shape, {})[key] = (job, group, nodes, pipeline, wanted)
-        halves = [part for batch in batches.values() for part in _halves(tuple(batch.items()))]
+        split = 1 < workers and len(batches) < 2 * workers
+        parts = [part for batch in batches.values()
+                 for part in (_halves(tuple(batch.items())) if split else (tuple(batch.items()),))]
         # the heaviest first, so the pool ends together: the most searches, then the largest model
-        ordered = sorted(halves, key=lambda part: (len(part), parameter_count(part[0][1][0].model)), reverse=True)
+        ordered = sorted(parts, key=lambda part: (len(part), parameter_count(part[0][1][0].model)), reverse=True)
         for found in mapper(_search_batch, [(self.cluster, self.options, part) for part in ordered]):
             for results in found:
                 self.searches += 1

@@ -287,18 +287,20 @@ def _capacities_after_failure(cluster: ClusterSpec, options: PackOptions) -> tup
 
 
 def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOptions, *,
-              baselines: bool = True, search: SearchOptions = CURVE_OPTIONS, mapper: Callable = map) -> PackResult:
+              baselines: bool = True, search: SearchOptions = CURVE_OPTIONS, mapper: Callable = map,
+              workers: int = 1) -> PackResult:
     """Pack the jobs present now (not ``arrives_later``); then the baselines, then the what-if. ``search``: the
     planner's options every job's searches use (``search.*``; each curve point keeps its best plan). ``mapper``
-    runs the curves' searches, a batch per job shape (a process pool's map uses every core; the answer is the
-    same)."""
+    runs the curves' searches, a batch per job shape (a process pool's map of ``workers`` processes uses every core;
+    the answer is the same)."""
     started = time.perf_counter()
     cache = CurveCache(cluster=cluster, options=dataclasses.replace(search, top_k=1))
     capacities = tuple(group.num_nodes for group in cluster.node_groups)
     present = tuple(job for job in jobs if not job.arrives_later)
     sizes = options.baseline_pipeline_sizes if baselines else ()
     # each curve point's search also gives the fixed-depth baseline's points at that node count
-    cache.prefetch(_requests([(job, None) for job in present], cluster, options), mapper, depths=sizes)
+    cache.prefetch(_requests([(job, None) for job in present], cluster, options), mapper, depths=sizes,
+                   workers=workers)
     curves = [job_options(job, cache, node_counts=options.node_counts) for job in present]
     packing = solve_milp(present, curves, capacities, objective=options.objective)
     peak = peak_flops(cluster)
@@ -313,7 +315,8 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
         baselines and missed and options.objective != "deadlines") else None
     found: list[Policy] = []
     arriving = [(job, None) for job in jobs if job.arrives_later and options.arrive]
-    cache.prefetch(_requests([(job, size) for job in present for size in sizes] + arriving, cluster, options), mapper)
+    cache.prefetch(_requests([(job, size) for job in present for size in sizes] + arriving, cluster, options), mapper,
+                   workers=workers)
     if baselines:
         fixed = _fixed_depth(present, cache, options, capacities, peak)
         if fixed is not None:
