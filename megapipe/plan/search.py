@@ -87,7 +87,8 @@ def search_by_depth(*, depths: tuple[int, ...], **inputs) -> dict[int | None, Se
     One enumeration, one set of bounds, and one branch and bound per depth over the points of that depth, with
     partitions and simulations shared. A depth's points are those the fixed search enumerates, in the same order
     and with the same bounds, so its plans are that search's (tests/test_plan_search.py); its stats count the
-    shared enumeration and bounds and its own branch and bound. A depth the whole search does not try (over
+    shared enumeration and bounds and its own branch and bound. A depth's result is lean (:meth:`_Bounded.result`):
+    its equal-split baseline is None where it cannot beat the chosen plan, and it keeps no profile. A depth the whole search does not try (over
     ``search.max_pipeline_model_parallel_size`` or the layer count), or every depth when the whole search's inputs
     fail, is searched on its own."""
     inputs = dict(inputs)
@@ -110,7 +111,8 @@ def search_by_depth(*, depths: tuple[int, ...], **inputs) -> dict[int | None, Se
         try:
             if bounded is not None and depth <= limit:
                 # no point of any depth the whole search tries has a plan: neither has one of this depth
-                out[depth] = None if bounded.planless else bounded.result(depth, started=time.perf_counter())
+                out[depth] = None if bounded.planless else bounded.result(depth, started=time.perf_counter(),
+                                                                          lean=True)
             else:
                 out[depth] = search(**{**inputs, "fixed": {**inputs["fixed"], "pipeline_model_parallel_size": depth}})
         except MegapipeError:
@@ -138,8 +140,11 @@ class _Bounded:
         self.planless = False
         """The branch and bound over every point found no plan, feasible or not."""
 
-    def result(self, depth: int | None, *, started: float, progress: Callable[[int, int], None] | None = None
-               ) -> SearchResult:
+    def result(self, depth: int | None, *, started: float, progress: Callable[[int, int], None] | None = None,
+               lean: bool = False) -> SearchResult:
+        """The search's result over every point (``depth`` None) or one depth's. ``lean``: the same plans, the chosen
+        one included, without what only a written plan reads: the equal-split baseline is simulated only where a
+        lower bound leaves it able to beat the chosen plan (else None), and no profile is kept."""
         evaluator, space, inputs = self.evaluator, self.space, self.inputs
         model, cluster, train = inputs["model"], inputs["cluster"], inputs["train"]
         options = inputs.get("options", SearchOptions())
@@ -160,7 +165,8 @@ class _Bounded:
         if chosen is None and options.what_if_schedules and "schedule" not in fixed:
             chosen = _best_runnable(**{**inputs, "fixed": fixed})
         chosen = chosen or ranked[0]
-        baseline = _try(evaluator, _candidate_of(chosen), method="equal", gpus=_gpus_of(evaluator, chosen))
+        baseline = (_equal_if_faster(evaluator, chosen) if lean else
+                    _try(evaluator, _candidate_of(chosen), method="equal", gpus=_gpus_of(evaluator, chosen)))
         if baseline is not None and baseline.feasible and score(baseline, options.objective) < score(
                 chosen, options.objective):
             # The equal split simulates faster (the min-max split only bounds the step): plan with it.
@@ -179,7 +185,7 @@ class _Bounded:
                                                         for point in points})))
         gain = chosen.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
         return SearchResult(plans=ranked, chosen=chosen, baseline=baseline, reference=reference, stats=stats,
-                            profile=evaluator.costs.profile(_candidate_of(chosen)),
+                            profile=None if lean else evaluator.costs.profile(_candidate_of(chosen)),
                             hetero_gain=gain if cluster.is_heterogeneous else None)
 
 
@@ -454,6 +460,23 @@ def _finish_best(evaluator: Evaluator, placed: list[_Placed], pruned: Counter, w
             return None
         work["simulated"] += 1
     return min(results, key=lambda plan: score(plan, "throughput")) if results else None
+
+
+def _equal_if_faster(evaluator: Evaluator, chosen: Plan) -> Plan | None:
+    """The chosen plan's configuration with layers split equally, simulated only when its partition floor and its
+    relaxed step both leave it able to beat the chosen plan's step (the one case where it replaces it); else None."""
+    cand, gpus = _candidate_of(chosen), _gpus_of(evaluator, chosen)
+    step_ms = chosen.step_time_s * 1e3
+    try:
+        prepared = evaluator.prepare(cand, method="equal", gpus=gpus, check_memory=False)
+        if prepared.floor_ms * (1 - _FLOOR_MARGIN) >= step_ms:
+            return None
+        enough = step_ms / (1 - _FLOOR_MARGIN)
+        if evaluator.relaxed_floor_ms(prepared, enough_ms=enough) * (1 - _FLOOR_MARGIN) >= step_ms:
+            return None
+        return evaluator.finish(prepared)
+    except (InfeasibleError, ScheduleError, ConfigError):
+        return None
 
 
 def _try(evaluator: Evaluator, cand: Candidate, *, method: str, gpus=None) -> Plan | None:
