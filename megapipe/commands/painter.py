@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from megapipe.errors import MegapipeError
 
-__all__ = ["start", "draw", "finish", "stop"]
+__all__ = ["start", "active", "draw", "finish", "stop"]
 
 _WARM = ("matplotlib.figure", "matplotlib.backends.backend_agg", "megapipe.report.canvas", "megapipe.report.gantt",
          "megapipe.report.plots")
@@ -42,6 +42,11 @@ def start() -> None:
     process.start()
     theirs.close()
     _painter = [process, ours, 0]
+
+
+def active() -> bool:
+    """Whether a painter draws for this process (:func:`draw` then returns at once)."""
+    return _painter is not None
 
 
 def draw(function: Callable, /, *args, **kwargs) -> None:
