@@ -139,6 +139,7 @@ def _pictures(result, cluster, directory: str) -> list[str]:
 
 def run(job: PackInputs, *, directory: str) -> None:
     cluster = job.scenario.cluster
+    import scipy.optimize  # noqa: F401  the packing MILPs' solver, imported once before the pool's processes fork
     with process_map(len(job.jobs), one_at_a_time=True) as mapper:  # a 405B job's curve against an 8B one's
         result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper,
                            workers=process_workers(len(job.jobs)))

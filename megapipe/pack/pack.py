@@ -208,31 +208,45 @@ def _for_deadlines(jobs: Sequence[JobSpec], curves, capacities, peak: float, res
     return _with_timeline(policy, jobs, _packing_decider(jobs, curves, capacities, "deadlines"), peak, restart_h)
 
 
-def _fixed_depth(jobs, cache, options: PackOptions, capacities, peak) -> Policy | None:
+def _fixed_size(size: int, jobs, curves, capacities, objective: str, peak: float, restart_h: float) -> Policy | str:
+    """Every job at pipeline size ``size``, packed and run to the end; or why that size has no packing."""
+    if not all(curves):
+        return f"PP{size}: {sum(1 for c in curves if not c)} job(s) have no plan"
+    try:
+        packing = solve_milp(jobs, curves, capacities, objective=objective)
+    except InfeasibleError:
+        return f"PP{size}: no packing fits"
+    policy = _concurrent(f"fixed PP{size}", f"as packed, every job at PP {size}", jobs,
+                         [c[o] for c, o in zip(curves, packing.choice)], peak)
+    return _with_timeline(policy, jobs, _packing_decider(jobs, curves, capacities, objective), peak, restart_h)
+
+
+def _fixed_depth(found: Sequence[Policy | str], options: PackOptions) -> Policy | None:
+    """The best of the fixed-size policies (:func:`_fixed_size`, in ``baseline_pipeline_sizes`` order), noting the
+    sizes without one."""
     best: Policy | None = None
     tried = []
-    restart_h = options.restart_minutes / 60.0
-    for size in options.baseline_pipeline_sizes:
-        curves = [job_options(job, cache, node_counts=options.node_counts, capacities=capacities, pipeline=size)
-                  for job in jobs]
-        if not all(curves):
-            tried.append(f"PP{size}: {sum(1 for c in curves if not c)} job(s) have no plan")
-            continue
-        try:
-            packing = solve_milp(jobs, curves, capacities, objective=options.objective)
-        except InfeasibleError:
-            tried.append(f"PP{size}: no packing fits")
-            continue
-        policy = _concurrent(f"fixed PP{size}", f"as packed, every job at PP {size}", jobs,
-                             [c[o] for c, o in zip(curves, packing.choice)], peak)
-        policy = _with_timeline(policy, jobs, _packing_decider(jobs, curves, capacities, options.objective), peak,
-                                restart_h)
-        if best is None or _better(policy, best, options.objective):
-            best = policy
+    for item in found:
+        if isinstance(item, str):
+            tried.append(item)
+        elif best is None or _better(item, best, options.objective):
+            best = item
     if best is None:
         return None
     note = "best single pipeline size of " + "/".join(str(s) for s in options.baseline_pipeline_sizes)
     return dataclasses.replace(best, note=note + ("; " + ", ".join(tried) if tried else ""))
+
+
+def _run_policy(task: tuple):
+    """One policy's packing run to the end (a module-level function: a pool pickles it): ``("timeline", policy,
+    ...)`` the packing's, ``("fixed", size, ...)`` :func:`_fixed_size`, ``("deadlines", ...)`` :func:`_for_deadlines`."""
+    kind, *rest = task
+    if kind == "timeline":
+        policy, jobs, curves, capacities, objective, peak, restart_h = rest
+        return _with_timeline(policy, jobs, _packing_decider(jobs, curves, capacities, objective), peak, restart_h)
+    if kind == "fixed":
+        return _fixed_size(*rest)
+    return _for_deadlines(*rest)
 
 
 def _better(a: Policy, b: Policy, objective: str) -> bool:
@@ -308,17 +322,27 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
                          [c[o] for c, o in zip(curves, packing.choice)], peak)
     seconds = time.perf_counter() - started
     restart_h = options.restart_minutes / 60.0
-    packed = _with_timeline(packed, present, _packing_decider(present, curves, capacities, options.objective), peak,
-                            restart_h)
-    missed = packed.deadlines_met < sum(job.deadline_hours is not None for job in present)
-    alternative = _for_deadlines(present, curves, capacities, peak, restart_h) if (
-        baselines and missed and options.objective != "deadlines") else None
-    found: list[Policy] = []
     arriving = [(job, None) for job in jobs if job.arrives_later and options.arrive]
     cache.prefetch(_requests([(job, size) for job in present for size in sizes] + arriving, cluster, options), mapper,
                    workers=workers)
+    # The policies' packings, each run to the end, side by side through ``mapper``: the packing's own, each fixed
+    # pipeline size's, and (when it may be shown: every job has a deadline and a budget) the packing for deadlines.
+    objective = options.objective
+    tasks: list[tuple] = [("timeline", packed, present, curves, capacities, objective, peak, restart_h)]
+    tasks += [("fixed", size, present, [job_options(job, cache, node_counts=options.node_counts, capacities=capacities,
+                                                    pipeline=size) for job in present], capacities, objective, peak,
+               restart_h) for size in sizes]
+    speculative = baselines and objective != "deadlines" and all(
+        job.deadline_hours is not None and job.tokens > 0 for job in present)
+    if speculative:
+        tasks.append(("deadlines", present, curves, capacities, peak, restart_h))
+    done = list(mapper(_run_policy, tasks))
+    packed = done[0]
+    missed = packed.deadlines_met < sum(job.deadline_hours is not None for job in present)
+    alternative = done[-1] if speculative and missed else None
+    found: list[Policy] = []
     if baselines:
-        fixed = _fixed_depth(present, cache, options, capacities, peak)
+        fixed = _fixed_depth(done[1:1 + len(sizes)], options)
         if fixed is not None:
             found.append(fixed)
         found.append(_sequential(present, curves, peak))
