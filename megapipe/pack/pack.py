@@ -374,6 +374,7 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
         moved = tuple(job.name for job, option, prev in zip(what_if_jobs, picked, previous)
                       if prev is not None and (option.group, option.nodes) != prev)
     return PackResult(jobs=present, capacities=capacities, objective=options.objective, packed=packed,
-                      alternative=alternative, baselines=tuple(found), what_if=what_if, what_if_jobs=what_if_jobs, what_if_capacities=after,
+                      alternative=alternative, baselines=tuple(found), what_if=what_if, what_if_jobs=what_if_jobs,
+                      what_if_capacities=after,
                       moves=moves, moved=moved, searches=cache.searches, seconds=seconds,
                       curve_options=tuple(curves), baseline_pipeline_sizes=tuple(sizes))

@@ -411,9 +411,10 @@ class CandidateBounds:
 
 def _capped_level(pinned, per_layer: float, fewest, largest, num_layers: int) -> float | None:
     """The least L with sum_r clip((L - pinned_r) / per_layer, fewest_r, largest_r) >= num_layers and no less than any
-    rank's pinned work plus its fewest layers (fractions allowed, so no integer split's busiest rank is below it); None when the largest totals cannot hold every layer. The sum
-    is piecewise linear in L with its corners where a rank reaches its fewest or its largest: evaluated at every
-    corner, then solved on the segment where it crosses num_layers."""
+    rank's pinned work plus its fewest layers (fractions allowed, so no integer split's busiest rank is below it);
+    None when the largest totals cannot hold every layer. The sum is piecewise linear in L with its corners where a
+    rank reaches its fewest or its largest: evaluated at every corner, then solved on the segment where it crosses
+    num_layers."""
     if float(largest.sum()) < num_layers:
         return None
     corners = np.unique(np.concatenate([pinned + fewest * per_layer, pinned + largest * per_layer]))

@@ -88,9 +88,9 @@ def search_by_depth(*, depths: tuple[int, ...], **inputs) -> dict[int | None, Se
     partitions and simulations shared. A depth's points are those the fixed search enumerates, in the same order
     and with the same bounds, so its plans are that search's (tests/test_plan_search.py); its stats count the
     shared enumeration and bounds and its own branch and bound. A depth's result is lean (:meth:`_Bounded.result`):
-    its equal-split baseline is None where it cannot beat the chosen plan, and it keeps no profile. A depth the whole search does not try (over
-    ``search.max_pipeline_model_parallel_size`` or the layer count), or every depth when the whole search's inputs
-    fail, is searched on its own."""
+    its equal-split baseline is None where it cannot beat the chosen plan, and it keeps no profile. A depth the
+    whole search does not try (over ``search.max_pipeline_model_parallel_size`` or the layer count), or every depth
+    when the whole search's inputs fail, is searched on its own."""
     inputs = dict(inputs)
     inputs["fixed"] = dict(inputs.get("fixed") or {})
     if "pipeline_model_parallel_size" in inputs["fixed"]:
@@ -286,7 +286,8 @@ class _PointBounds:
         return found
 
 
-def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter) -> tuple[list[tuple[float, int, Point]], _PointBounds]:
+def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter
+               ) -> tuple[list[tuple[float, int, Point]], _PointBounds]:
     """(cheap step bound, index, point) of every point no other point's runtime features dominate
     (:func:`megapipe.plan.dominance.dominated_features`), best bound first, and the bounds the branch and bound asks
     for the points it pops (:class:`_PointBounds`)."""
@@ -317,7 +318,8 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
     closed-form bound; popped again, under its memory floor where memory forces an uneven split
     (:meth:`~megapipe.plan.candidate_bounds.CandidateBounds.memory_floor_ms`). A popped candidate is then
     partitioned and pushed back under max(bound, floor); popped again, each placement still below the cutoff gets
-    the relaxed floor and the candidate goes back under it; popped a third time, it is simulated. Once the smallest key is no better than the k-th best exact step, nothing left can rank.
+    the relaxed floor and the candidate goes back under it; popped a third time, it is simulated. Once the
+    smallest key is no better than the k-th best exact step, nothing left can rank.
     With ``bubble_target`` everything is evaluated.
     """
     options = evaluator.options
