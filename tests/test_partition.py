@@ -10,6 +10,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from _partition_checks import solve_like_brute
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -189,14 +190,8 @@ def test_virtual_stages_exact_under_coupled_rank_memory(instance, schedule, num_
     if len(layers) < len(stages) * vp:
         return
     best = _coupled_brute(layers, stages, schedule, num_microbatches, vp)
-    call = dict(num_microbatches=num_microbatches, schedule=schedule, virtual_pipeline_model_parallel_size=vp)
-    if best is None:
-        with pytest.raises(InfeasibleError):
-            solve(layers, stages, **call)
-        return
-    part = solve(layers, stages, **call)
-    assert part.bottleneck_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
-    assert all(used <= stage.memory_bytes * (1 + 1e-12) for used, stage in zip(part.rank_memory_bytes, stages))
+    solve_like_brute(layers, stages, best, memory_rel=1e-12, num_microbatches=num_microbatches, schedule=schedule,
+                     virtual_pipeline_model_parallel_size=vp)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -220,14 +215,8 @@ def test_identical_decoders_exact_by_counts(num_decoders, static, act, vp, num_m
 def _assert_interleaved_equals_brute(layers, stages, num_microbatches, vp, *, memory_rel=0.0):
     """The solver's interleaved 1F1B split against brute force: the same bottleneck, or both find none."""
     best = _coupled_brute(layers, stages, "interleaved_1f1b", num_microbatches, vp)
-    call = dict(num_microbatches=num_microbatches, schedule="interleaved_1f1b", virtual_pipeline_model_parallel_size=vp)
-    if best is None:
-        with pytest.raises(InfeasibleError):
-            solve(layers, stages, **call)
-        return
-    part = solve(layers, stages, **call)
-    assert part.bottleneck_ms == pytest.approx(best, rel=1e-9)
-    assert all(used <= stage.memory_bytes * (1 + memory_rel) for used, stage in zip(part.rank_memory_bytes, stages))
+    solve_like_brute(layers, stages, best, memory_rel=memory_rel, num_microbatches=num_microbatches,
+                     schedule="interleaved_1f1b", virtual_pipeline_model_parallel_size=vp)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
