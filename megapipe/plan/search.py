@@ -126,7 +126,8 @@ class _Bounded:
 
     def __init__(self, inputs: dict):
         self.inputs = inputs
-        model, cluster, options = inputs["model"], inputs["cluster"], inputs.get("options", SearchOptions())
+        self.options = options = inputs.get("options", SearchOptions())
+        model, cluster = inputs["model"], inputs["cluster"]
         _check_cluster(cluster)
         self.evaluator = Evaluator(model=model, cluster=cluster, options=options, profile=inputs.get("profile"),
                                    shared=inputs.get("shared"))
@@ -146,8 +147,7 @@ class _Bounded:
         one included, without what only a written plan reads: the equal-split baseline is simulated only where a
         lower bound leaves it able to beat the chosen plan (else None), and no profile is kept."""
         evaluator, space, inputs = self.evaluator, self.space, self.inputs
-        model, cluster, train = inputs["model"], inputs["cluster"], inputs["train"]
-        options = inputs.get("options", SearchOptions())
+        model, cluster, train, options = inputs["model"], inputs["cluster"], inputs["train"], self.options
         fixed = inputs["fixed"] if depth is None else {**inputs["fixed"], "pipeline_model_parallel_size": depth}
         bounded = self.bounded if depth is None else [item for item in self.bounded
                                                       if item[2].pipeline_model_parallel_size == depth]
