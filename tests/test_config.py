@@ -179,3 +179,72 @@ def test_memory_settings_reach_the_records_and_megatrons_refusals_are_named():
                              "train.optimizer_offload_fraction=1.5"]))
     with pytest.raises(ConfigError, match="use_distributed_optimizer"):
         to_scenario(compose(["parallel.use_megatron_fsdp=true", "parallel.use_distributed_optimizer=false"]))
+
+
+_COMPOSITIONS = [
+    [], ["hydra.job.name=plan"], ["output.dir=/tmp/x y", "hydra.job.name=plan"],
+    ["model=llama3_8b", "train.global_batch_size=512"],
+    ["cluster.num_nodes=4", "model=deepseek_v3", "parallel.tensor_model_parallel_size=2"],
+    ["train.seq_length=null"], ["output.dir='/a b'"], ["model.name=${model.num_layers}"], ["profile=/x.json"],
+    ["jobs=fleet_50", "cluster.num_nodes=512"], ["+experiment=writeup_70b", "search.top_k=3"],
+    ["search.what_if_schedules=true", "model=gpt_48l_128k"],
+]
+
+
+@pytest.mark.parametrize("overrides", _COMPOSITIONS, ids=lambda o: " ".join(o) or "defaults")
+@pytest.mark.parametrize("keep_hydra", [True, False])
+def test_a_kept_composition_is_the_fresh_one(overrides, keep_hydra, tmp_path, monkeypatch):
+    """The cache's config (its defaults' composition kept, the values applied by Hydra's code) equals Hydra's
+    fresh composition, in another working directory too, and it is taken from the cache, not composed again."""
+    from omegaconf import OmegaConf
+
+    from megapipe.config import cache
+
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, "off")
+    fresh = compose(overrides, return_hydra_config=keep_hydra)
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    composed = []
+    real = cache._finish
+
+    def finish(*args):
+        result = real(*args)
+        composed.append(result)  # applied without falling back to a fresh composition
+        return result
+
+    monkeypatch.setattr(cache, "_finish", finish)
+    compose(overrides, return_hydra_config=keep_hydra)  # kept
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    if keep_hydra:
+        fresh.hydra.runtime.cwd = os.getcwd()
+    kept = compose(overrides, return_hydra_config=keep_hydra)
+    assert len(composed) == 2 and len(os.listdir(tmp_path / "cache")) == 1
+    assert OmegaConf.to_yaml(kept) == OmegaConf.to_yaml(fresh)
+    assert OmegaConf.is_struct(kept) and OmegaConf.get_type(kept.train) is OmegaConf.get_type(fresh.train)
+
+
+@pytest.mark.parametrize("overrides", [["train.global_batch_size=abc"], ["train.nonexistent=1"], ["model=nope"],
+                                       ["train.global_batch_size=1,2"], ["model=llama3_8b", "~train.seq_length"]])
+def test_a_kept_composition_refuses_what_hydra_refuses(overrides, tmp_path, monkeypatch):
+    from megapipe.config import cache
+
+    errors = []
+    for where in ("off", str(tmp_path / "cache"), str(tmp_path / "cache")):
+        monkeypatch.setenv(cache.CACHE_DIR_ENV, where)
+        with pytest.raises(Exception) as caught:
+            compose(overrides)
+        errors.append((type(caught.value), str(caught.value)))
+    assert errors[0] == errors[1] == errors[2]
+
+
+def test_a_broken_cache_entry_is_composed_again(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from megapipe.config import cache
+
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    first = OmegaConf.to_yaml(compose(["model=llama3_8b"]))
+    (entry,) = tmp_path.iterdir()
+    entry.write_bytes(b"not a pickle")
+    assert OmegaConf.to_yaml(compose(["model=llama3_8b"])) == first
+    assert entry.read_bytes() != b"not a pickle"

@@ -449,3 +449,15 @@ def test_closed_form_lowering_equals_the_checked_one():
                             [list(x) if isinstance(x, (list, tuple)) else x for x in theirs], field.name
                     compared += 1
     assert compared > 50
+
+
+def test_sorted_unique_and_counts_are_numpys():
+    import numpy as np
+
+    from megapipe.arrays import sorted_unique, unique_counts
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        values = rng.integers(-3, 7, size=int(rng.integers(0, 40)))
+        assert np.array_equal(sorted_unique(values * 0.1), np.unique(values * 0.1))
+        assert all(np.array_equal(a, b) for a, b in zip(unique_counts(values), np.unique(values, return_counts=True)))

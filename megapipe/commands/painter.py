@@ -102,14 +102,15 @@ def stop() -> None:
 def _serve(connection) -> None:
     """The painter: import the drawing modules, then draw each job until told to stop."""
     import importlib
+    import queue
+    import threading
 
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_receive, args=(connection, jobs), daemon=True).start()
     for name in _WARM:
         importlib.import_module(name)
     while True:
-        try:
-            job = connection.recv()
-        except (OSError, EOFError):
-            return
+        job = jobs.get()
         if job is None:
             return
         function, args, kwargs = job
@@ -118,3 +119,16 @@ def _serve(connection) -> None:
             connection.send(("ok", None))
         except Exception as exc:  # reported to the command, which prints it as one line
             connection.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _receive(connection, jobs) -> None:
+    """The painter's reader: take each job off the pipe at once, so the command never waits for a drawing to
+    end before it can hand over the next (a Gantt chart's records fill the pipe's buffer many times over)."""
+    while True:
+        try:
+            job = connection.recv()
+        except (OSError, EOFError):
+            job = None
+        jobs.put(job)
+        if job is None:
+            return

@@ -24,6 +24,7 @@ from importlib import resources
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from megapipe.config.cache import composed
 from megapipe.config.hf import read_hf_config
 from megapipe.config.memory import memory_fields
 from megapipe.config.options import output_options, replan_options, search_options
@@ -163,17 +164,23 @@ def with_runtime_file(cfg: DictConfig, path: str | None) -> DictConfig:
 def compose(overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "config",
             return_hydra_config: bool = False) -> DictConfig:
     """Compose the config as the CLI does; ``return_hydra_config`` keeps the ``hydra`` node (run dir, job name).
-    ``runtime=FILE`` takes the runtime from that file (:func:`runtime_file`)."""
+    ``runtime=FILE`` takes the runtime from that file (:func:`runtime_file`). A composition is kept between
+    processes (:mod:`megapipe.config.cache`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     overrides, path = runtime_file(overrides)
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-        cfg = hydra_compose(config_name=config_name, overrides=list(overrides),
-                            return_hydra_config=return_hydra_config)
+    directory = conf_dir()
+
+    def fresh(chosen: list[str], keep_hydra: bool) -> DictConfig:
+        register_configs()
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=directory, version_base=None):
+            return hydra_compose(config_name=config_name, overrides=chosen, return_hydra_config=keep_hydra)
+
+    cfg = composed(overrides, config_name=config_name, return_hydra_config=return_hydra_config, conf_dir=directory,
+                   compose=fresh)
     return with_runtime_file(cfg, path)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megapipe.arrays import sorted_unique
 from megapipe.partition.rank_problem import RankProblem
 from megapipe.records import LayerCost, StageSpec
 
@@ -127,8 +128,8 @@ class CountSearch:
         kinds = {(self.stages[self.ranks[s]].time_scale, pins.extra[s][0], pins.low[s], pins.cap[s])
                  for s in range(len(self.ranks))}
         counts = np.arange(self.num_decoders + 1, dtype=float)
-        values = np.unique(np.concatenate([scale * (pinned + counts[low:cap + 1] * self.unit)
-                                           for scale, pinned, low, cap in kinds]))
+        values = sorted_unique(np.concatenate([scale * (pinned + counts[low:cap + 1] * self.unit)
+                                               for scale, pinned, low, cap in kinds]))
         if lower_bound is not None:
             above = values[values >= lower_bound * (1 - 1e-12)]
             values = above if len(above) else values[-1:]

@@ -417,7 +417,9 @@ def _capped_level(pinned, per_layer: float, fewest, largest, num_layers: int) ->
     num_layers."""
     if float(largest.sum()) < num_layers:
         return None
-    corners = np.unique(np.concatenate([pinned + fewest * per_layer, pinned + largest * per_layer]))
+    # sorted, repeats kept: a repeat cannot be the crossing's left end (``held`` would already reach num_layers there),
+    # and np.sort spares the first search np.unique's import of numpy.ma
+    corners = np.sort(np.concatenate([pinned + fewest * per_layer, pinned + largest * per_layer]))
     held = np.clip((corners[:, None] - pinned[None, :]) / per_layer, fewest[None, :], largest[None, :]).sum(axis=1)
     at = int(np.searchsorted(held, num_layers - 1e-9))  # the first corner that holds them all
     least = float((pinned + fewest * per_layer).max())  # every rank runs at least its fewest layers

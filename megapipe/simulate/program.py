@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megapipe.arrays import sorted_unique, unique_counts
 from megapipe.errors import ScheduleError
 from megapipe.schedules.base import KIND_CODE, Action, Kind, Schedule
 
@@ -203,10 +204,10 @@ def _lower_closed_form(schedule: Schedule) -> Program:
         changes = np.where(forward, 1, np.where(kinds == KIND_CODE[Kind.I], 0, -1))
         index_of[op] = np.arange(len(op))
         held = np.cumsum(changes)
-        for stage in np.unique(stages).tolist():
+        for stage in sorted_unique(stages).tolist():
             stage_peak[stage] = max(stage_peak[stage], int(np.cumsum(np.where(stages == stage, changes, 0)).max()))
         codes = stages * 4 + kinds
-        found, counts = np.unique(codes, return_counts=True)
+        found, counts = unique_counts(codes)
         per_rank.append((op.tolist(), codes.tolist(), deps.tolist(), (stages * 2 + ~forward).tolist(),
                          tuple(changes.tolist()), max(0, int(held.max(initial=0))),
                          tuple(zip(found.tolist(), counts.tolist()))))
