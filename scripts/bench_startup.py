@@ -7,11 +7,10 @@ pictures written). Yardsticks, in the same rounds: a bare interpreter (``python 
 what any Hydra + numpy command pays (hydra, omegaconf, numpy). Goals (the speed budget): the table within 1.0 s,
 the whole command within 1.5 s.
 
-The processes run as on a user's machine: Python keeps the modules' bytecode (``PYTHONDONTWRITEBYTECODE`` is
-dropped from their environment: pip compiles it at install, an editable install writes it on its first run), and
-the composed config is kept between processes in a cache of this run's own (:mod:`megapipe.config.cache`). The
-first run, which writes that cache, is timed and printed apart: it is what a user's first command after an
-install, or after changing ``hydra_conf``, takes. Each round's ``output.dir`` is new, as a user's often is.
+The processes run as on a user's machine (``scripts/_bench_env.py``: bytecode kept, composed configs kept in
+this run's own cache). The first run, which fills that cache, is timed and printed apart: it is what a user's
+first command after an install, or after changing ``hydra_conf``, takes. Each round's ``output.dir`` is new, as a
+user's often is.
 
     python scripts/bench_startup.py --rounds 5 [--no-pictures]
 """
@@ -26,14 +25,9 @@ import sys
 import tempfile
 import time
 
+from _bench_env import user_environment
+
 _MEGAPIPE = os.path.join(os.path.dirname(sys.executable), "megapipe")
-
-
-def _environment(cache: str) -> dict[str, str]:
-    from megapipe.config.cache import CACHE_DIR_ENV
-
-    kept = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
-    return {**kept, "COLUMNS": "200", CACHE_DIR_ENV: cache}
 
 
 def _plan(pictures: bool, cache: str) -> tuple[float, float]:
@@ -42,7 +36,7 @@ def _plan(pictures: bool, cache: str) -> tuple[float, float]:
         args = [_MEGAPIPE, "plan", f"output.dir={directory}", f"output.pictures={'true' if pictures else 'false'}"]
         start = time.perf_counter()
         with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              env=_environment(cache)) as process:
+                              env=user_environment(cache)) as process:
             process.stdout.readline()
             answered = time.perf_counter() - start
             process.stdout.read()
@@ -53,7 +47,7 @@ def _plan(pictures: bool, cache: str) -> tuple[float, float]:
 
 def _python(code: str, cache: str) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, env=_environment(cache))
+    subprocess.run([sys.executable, "-c", code], check=True, env=user_environment(cache))
     return time.perf_counter() - start
 
 

@@ -123,6 +123,8 @@ def run(job: PlanInputs, *, directory: str) -> None:
                               template=scenario.parallel)
     if job.output.pictures and painter.active():  # drawn on the other core while the plan is written and printed
         _pictures(directory, result, model_name=scenario.model.name, cluster=scenario.cluster)
+    if not job.output.json:  # the answer first: the files below take a while to write
+        console().print(_plans_table(result, scenario=scenario, reference=job.search.reference))
     extra = {"seq_length_source": scenario.seq_length_source}
     written = write_plan(directory, result=result, model=scenario.model, cluster=scenario.cluster, inputs=job.inputs,
                          bridge_keys=job.output.bridge_keys, extra=extra)
@@ -135,7 +137,7 @@ def run(job: PlanInputs, *, directory: str) -> None:
                     "launch": _launch_line(scenario.cluster, emitted) if emitted else None})
     else:
         print_plans(result, scenario=scenario, reference=job.search.reference, emitted=emitted, directory=directory,
-                    files=files, nodes=nodes)
+                    files=files, nodes=nodes, table=False)
     if job.output.pictures and not painter.active():  # drawn here: after the answer, which they would delay
         _pictures(directory, result, model_name=scenario.model.name, cluster=scenario.cluster)
 
@@ -226,11 +228,12 @@ def _pruned(stats) -> str:
 
 
 def print_plans(result: SearchResult, *, scenario: Scenario, reference: Reference | None = None, emitted=None,
-                directory: str, files: tuple[str, ...] = (), nodes: tuple[str, ...] = ()) -> None:
-    """The ranked plans, the equal split and the reference (``search.reference``) in one table; then what to run
-    and where the files are."""
+                directory: str, files: tuple[str, ...] = (), nodes: tuple[str, ...] = (), table: bool = True) -> None:
+    """The ranked plans, the equal split and the reference (``search.reference``) in one table (``table=False``:
+    printed already); then what to run and where the files are."""
     out = console()
-    out.print(_plans_table(result, scenario=scenario, reference=reference))
+    if table:
+        out.print(_plans_table(result, scenario=scenario, reference=reference))
     _print_notes(out, result, scenario=scenario, emitted=emitted, nodes=nodes)
     best = result.best
     if result.baseline is not None:
