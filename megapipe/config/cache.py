@@ -123,14 +123,13 @@ def _inputs_digest(conf_dir: str) -> bytes:
         import omegaconf
 
         import megapipe
-        from megapipe.config import schema
 
         digest = hashlib.sha256(_FORMAT)
         for part in (sys.version, hydra.__version__, omegaconf.__version__, megapipe.__version__):
             digest.update(part.encode("utf-8") + b"\0")
         for plugins in _plugin_dirs():  # a Hydra plugin installed or removed may add config sources
             digest.update(repr((plugins, sorted(os.listdir(plugins)))).encode("utf-8"))
-        files = [os.path.abspath(schema.__file__)]
+        files = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema.py")]  # the schemas Hydra merges
         for root, dirs, names in os.walk(conf_dir):
             dirs[:] = sorted(name for name in dirs if name != "__pycache__")
             files.extend(os.path.join(root, name) for name in sorted(names))
