@@ -127,3 +127,21 @@ def test_every_schedule_keeps_fewer_of_a_later_chunk_at_each_peak():
                         assert all(list(row) == sorted(row, reverse=True) for row in rows.tolist()), (name, pp, v, m)
                     checked += 1
     assert checked > 100
+
+
+def test_distinct_rows_are_numpys_unique_rows_and_the_pareto_rows_are_the_undominated_ones():
+    """The in-flight rows' dedupe (exact int64 keys of a few columns each) against np.unique(axis=0), on small and
+    large counts and widths past one key; and _pareto against its definition, row by row."""
+    import numpy as np
+
+    from megapipe.schedules import registry
+
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        rows = rng.integers(0, int(rng.choice([2, 5, 300, 70_000, 2 ** 40])), size=(int(rng.integers(0, 40)),
+                                                                                 int(rng.integers(1, 30))))
+        assert np.array_equal(registry._distinct_rows(rows), np.unique(rows, axis=0).reshape(-1, rows.shape[1]))
+        kept = {tuple(row) for row in registry._pareto(rows).tolist()}
+        undominated = {tuple(row) for row in rows.tolist()
+                       if not any((other >= row).all() and (other > row).any() for other in rows)}
+        assert kept == undominated

@@ -121,10 +121,10 @@ def run(job: PlanInputs, *, directory: str) -> None:
                               use_distributed_optimizer=scenario.parallel.use_distributed_optimizer,
                               microbatch_group_size_per_vp_stage=scenario.parallel.microbatch_group_size_per_vp_stage,
                               template=scenario.parallel)
-    if job.output.pictures and painter.active():  # drawn on the other core while the plan is written and printed
-        _pictures(directory, result, model_name=scenario.model.name, cluster=scenario.cluster)
     if not job.output.json:  # the answer first: the files below take a while to write
         console().print(_plans_table(result, scenario=scenario, reference=job.search.reference))
+    if job.output.pictures and painter.active():  # drawn on the other core while the plan is written and printed
+        _pictures(directory, result, model_name=scenario.model.name, cluster=scenario.cluster)
     extra = {"seq_length_source": scenario.seq_length_source}
     written = write_plan(directory, result=result, model=scenario.model, cluster=scenario.cluster, inputs=job.inputs,
                          bridge_keys=job.output.bridge_keys, extra=extra)

@@ -37,12 +37,16 @@ def interleaved_in_flight(pp: int, m: int, v: int, group: int) -> tuple[int, ...
     return _interleaved(pp, m, v, group)
 
 
+def table_chunks(m: int, vp: int, group: int) -> np.ndarray:
+    """The chunk column of Megatron's ``get_schedule_table`` (:func:`megapipe.schedules.interleaved.schedule_table`),
+    as an array: each group of ``group`` microbatches (the last may be smaller) walks every chunk in turn."""
+    return np.concatenate([np.repeat(np.arange(vp), min(group, m - first)) for first in range(0, m, group)])
+
+
 @lru_cache(maxsize=1024)
 def _interleaved(pp: int, m: int, vp: int, group: int) -> tuple[int, ...]:
     total = m * vp
-    chunk_of = np.concatenate([
-        np.repeat(np.arange(vp), min(group, m - first)) for first in range(0, m, group)
-    ])  # Megatron's get_schedule_table, chunk column
+    chunk_of = table_chunks(m, vp, group)
     seen = np.zeros((vp, total + 1), dtype=np.int64)
     seen[:, 1:] = np.cumsum(chunk_of[None, :] == np.arange(vp)[:, None], axis=1)
     forwards = np.arange(1, total + 1)

@@ -21,7 +21,7 @@ import numpy as np
 
 from megapipe.errors import ScheduleError
 from megapipe.schedules.base import KIND_CODE, Action, Kind, RankOps, loop_stage, warmup_steady_cooldown
-from megapipe.schedules.in_flight import interleaved_in_flight
+from megapipe.schedules.in_flight import interleaved_in_flight, table_chunks
 from megapipe.schedules.spec import ScheduleName, ScheduleSpec
 
 __all__ = ["SPEC", "interleaved_orders", "schedule_table", "check_interleaved", "interleaved_sizes_ok",
@@ -119,8 +119,7 @@ def interleaved_rank_counts(pp: int, m: int, v: int, group: int) -> tuple[np.nda
     peak, from the same warm-up / steady / cool-down order as :func:`_rank_order`, without building the actions:
     the last warm-up forward (counts only grow until then) and every steady one (each adds a microbatch and
     the backward before it removed one); the cool-down runs no forward."""
-    chunks = np.array([chunk for _, chunk in schedule_table(num_microbatches=m, num_model_chunks=v,
-                                                             microbatch_group_size_per_vp_stage=group)])
+    chunks = table_chunks(m, v, group)
     total = m * v
     forwards = np.zeros((total + 1, v), dtype=np.int64)  # forwards[x, c]: chunk-c entries among the first x
     forwards[1:] = np.cumsum(np.eye(v, dtype=np.int64)[chunks], axis=0)

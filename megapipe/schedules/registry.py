@@ -175,10 +175,7 @@ def _pareto(rows: np.ndarray) -> np.ndarray:
     A row dominates only rows of a smaller sum, and domination is transitive, so the rows of the largest sum
     are kept, the rest checked against the kept rows only, and so on by sum (a schedule's steady state gives one
     sum to most rows: two rounds, not a comparison of every pair)."""
-    rows = np.asarray(rows)
-    rows = rows[np.lexsort(rows.T[::-1])]  # ascending, as np.unique(axis=0) sorts
-    if len(rows) > 1:
-        rows = rows[np.concatenate([[True], (rows[1:] != rows[:-1]).any(axis=1)])]
+    rows = _distinct_rows(np.asarray(rows))
     sums = rows.sum(axis=1)
     keep = np.zeros(len(rows), dtype=bool)
     alive = np.ones(len(rows), dtype=bool)
@@ -193,6 +190,27 @@ def _pareto(rows: np.ndarray) -> np.ndarray:
     out = np.ascontiguousarray(rows[keep][::-1])
     out.flags.writeable = False  # shared through the cache below
     return out
+
+
+def _distinct_rows(rows: np.ndarray) -> np.ndarray:
+    """The distinct rows, ascending as ``np.unique(rows, axis=0)`` sorts them. In-flight counts are small
+    non-negative integers, so a few columns at a time are read as the digits of one exact int64 (the first column
+    the most significant): one sort of those keys instead of one pass per column, and no row compared whole."""
+    if len(rows) < 2:
+        return rows
+    if rows.dtype.kind == "i" and rows.size and int(rows.min()) >= 0:
+        base = int(rows.max()) + 1
+        digits = max(1, 62 // max(1, base.bit_length()))  # base ** digits < 2 ** 62: no overflow
+        keys = [rows[:, first:first + digits] @ (base ** np.arange(min(digits, rows.shape[1] - first) - 1, -1, -1,
+                                                                    dtype=np.int64))
+                for first in range(0, rows.shape[1], digits)]
+        order = np.argsort(keys[0], kind="stable") if len(keys) == 1 else np.lexsort(keys[::-1])
+        keys = [key[order] for key in keys]
+        new = np.ones(len(rows), dtype=bool)
+        new[1:] = np.logical_or.reduce([key[1:] != key[:-1] for key in keys])
+        return rows[order[new]]
+    rows = rows[np.lexsort(rows.T[::-1])]
+    return rows[np.concatenate([[True], (rows[1:] != rows[:-1]).any(axis=1)])]
 
 
 def _rank_counts_from_orders(schedule: Schedule) -> tuple[np.ndarray, ...]:
