@@ -327,8 +327,12 @@ def _run_once(command: str, module, cfg, prepared, overrides: list[str]) -> None
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     logging.getLogger().addHandler(handler)
     failed = True
+    recorded = False
     try:
         module.run(prepared, directory=directory)
+        if os.listdir(directory):  # recorded while the painter draws the last pictures
+            _record_run(cfg, overrides, directory)
+            recorded = True
         painter.finish()
         failed = False
     finally:
@@ -336,6 +340,8 @@ def _run_once(command: str, module, cfg, prepared, overrides: list[str]) -> None
         handler.close()
         if failed:
             _remove_made(made, failed=True)
+    if recorded:
+        return
     if made and not os.listdir(directory):
         _remove_made(made, failed=False)
         return
