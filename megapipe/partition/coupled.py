@@ -115,11 +115,9 @@ def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: 
     low = uniform_pins(shape, len(ranks)).low
     if sum(low) > shape.num_decoders:
         return False
-    owned = rank_stages(ranks, len(stages))
-    arrays = [np.asarray(profile) for profile in profiles]
-    if all(len(array.shape) == 2 and array.shape[1] == len(own) for array, own in zip(arrays, owned)) \
-            and len({len(own) for own in owned}) == 1:
-        found = _stacked_totals(shape, stages, owned, arrays, low)
+    stack = _stack(profiles, ranks, len(stages))
+    if stack is not None:
+        found = _stacked_totals(shape, stages, stack, low)
         if found is not None:
             return found is not False and float(found[1].sum()) >= shape.num_decoders
     problems = _uniform_search(shape, stages, ranks, profiles).problems
@@ -134,42 +132,86 @@ def uniform_rank_totals(*, shape: UniformShape, stages: Sequence[StageSpec], ran
     """(fewest, largest) decoders each rank can hold in a split that fits its coupled memory, as arrays over ranks
     (the largest leaning high in rounding, as :func:`uniform_may_fit`'s); False when some rank cannot hold even its
     fewest; None when this closed form does not apply (ranks of unequally many stages, rows not along them)."""
-    low = uniform_pins(shape, len(ranks)).low
-    owned = rank_stages(ranks, len(stages))
-    arrays = [np.asarray(profile) for profile in profiles]
-    if not all(len(array.shape) == 2 and array.shape[1] == len(own) for array, own in zip(arrays, owned)) \
-            or len({len(own) for own in owned}) != 1:
+    stack = _stack(profiles, ranks, len(stages))
+    if stack is None:
         return None
-    return _stacked_totals(shape, stages, owned, arrays, low)
+    return _stacked_totals(shape, stages, stack, uniform_pins(shape, len(ranks)).low)
 
 
-def _stacked_totals(shape: UniformShape, stages, owned, arrays, low):
+@dataclass(frozen=True, slots=True)
+class _Stack:
+    """One schedule's in-flight rows of every rank, stacked (what :func:`_stacked_totals` reads of them, the same for
+    every decoder and memory it is asked about)."""
+
+    owned: np.ndarray
+    """[rank, position]: the layout stage at each of the rank's positions."""
+    counts: np.ndarray
+    """The stacked rows, as floats."""
+    rank_of_row: np.ndarray
+    starts: np.ndarray
+    """Each rank's first row."""
+    falling: bool
+    """Every row's counts fall (or hold) from each of its stages to the next."""
+    ends: tuple
+    """(rows of the rank holding it, its position there) for the first and the last layout stage."""
+
+
+_STACKS: dict = {}
+"""_Stack by (id of the profiles, stage-to-rank map, rank count), each beside the profiles object it was made of: the
+search asks about one schedule's profiles (:func:`megapipe.schedules.rank_in_flight_profiles`, one object per
+schedule and sizes) for many decoders and memories."""
+
+
+def _stack(profiles, ranks: Sequence[int], num_ranks: int) -> _Stack | None:
+    """The stacked rows, or None when some rank's rows do not fall along its stages, ranks hold unequally many
+    stages, or some rank has no row."""
+    key = (id(profiles), tuple(ranks), num_ranks)
+    found = _STACKS.get(key)
+    if found is not None and found[0] is profiles:
+        return found[1]
+    owned = rank_stages(ranks, num_ranks)
+    arrays = [np.asarray(profile) for profile in profiles]
+    stack = None
+    if all(len(array.shape) == 2 and array.shape[1] == len(own) for array, own in zip(arrays, owned)) \
+            and len({len(own) for own in owned}) == 1 and all(len(array) for array in arrays):
+        counts = np.concatenate(arrays).astype(float)
+        sizes = [len(array) for array in arrays]
+        rank_of_row = np.repeat(np.arange(len(arrays)), sizes)
+        ends = []
+        for stage in (0, len(ranks) - 1):  # the embedding's and the loss's layout stages
+            rank, position = next((r, own.index(stage)) for r, own in enumerate(owned) if stage in own)
+            ends.append((rank_of_row == rank, position))
+        stack = _Stack(owned=np.array(owned, dtype=np.int64), counts=counts, rank_of_row=rank_of_row,
+                       starts=np.concatenate([[0], np.cumsum(sizes)[:-1]]),
+                       falling=bool((counts[:, :-1] >= counts[:, 1:]).all()), ends=tuple(ends))
+    if len(_STACKS) >= 4096:
+        _STACKS.clear()
+    _STACKS[key] = (profiles, stack)
+    return stack
+
+
+def _stacked_totals(shape: UniformShape, stages, stack: _Stack, low):
     """:func:`uniform_rank_totals` for ranks of equally many stages, on their stacked rows (None: some rank's rows
     do not fall along its stages). With every other stage at its fewest decoders, back-loading fills a rank's last
     stage until a row's room runs out (each rank's largest total, as :meth:`RankProblem.largest` finds it); a
     rank whose last stage takes every decoder settles it at once."""
     decoder, top = shape.decoder, shape.num_decoders
-    counts = np.concatenate(arrays).astype(float)
+    counts, rank_of_row = stack.counts, stack.rank_of_row
     weights = decoder.static_bytes + counts * decoder.act_bytes
-    if not (weights[:, :-1] >= weights[:, 1:]).all():
+    # rows whose counts fall have falling weights (act_bytes >= 0, and rounding keeps the order); others are checked
+    if not stack.falling and not (weights[:, :-1] >= weights[:, 1:]).all():
         return None
-    sizes = [len(array) for array in arrays]
-    if not all(sizes):
-        return None
-    rank_of_row = np.repeat(np.arange(len(arrays)), sizes)
-    lows = np.array([[low[s] for s in own] for own in owned], dtype=float)
+    lows = np.asarray(low, dtype=float)[stack.owned]
     room = np.array([stage.memory_bytes for stage in stages], dtype=float)[rank_of_row]
-    for entry, stage in ((shape.head, 0), (shape.tail, len(low) - 1)):
+    for entry, (rows, position) in zip((shape.head, shape.tail), stack.ends):
         if entry is not None:
-            rank, position = next((r, own.index(stage)) for r, own in enumerate(owned) if stage in own)
-            rows = rank_of_row == rank
             room[rows] -= entry.static_bytes + counts[rows, position] * entry.act_bytes
     spare = room + 2e-9 * np.maximum(1.0, np.abs(room)) - (weights * lows[rank_of_row]).sum(axis=1)
     if (spare < 0).any():
         return False
     last = weights[:, -1]
     within = np.where(last > 0, np.floor(spare / np.where(last > 0, last, 1.0) + 1e-9), top)
-    most = np.minimum.reduceat(within, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+    most = np.minimum.reduceat(within, stack.starts)
     fewest = lows.sum(axis=1)
     return fewest, fewest + np.minimum(most, top)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -242,8 +243,12 @@ class _PointBounds:
         self._tokens: dict = {}
         self._token_of: dict[int, int] = {}
 
+    _SIZES = operator.itemgetter(0, 1, 2, 3, 5, 6, 7, 9, 11, 12)
+    """TP, CP, PP, DP, micro-batch, recompute, SP, per-stage recompute, EP, ETP: all of a point but its VP,
+    schedule (its bound class stands for it), microbatch count (DP and the batch fix it) and features."""
+
     def _sizes(self, point: Point) -> tuple:
-        return point[:4] + point[5:8] + point[11:13] + (self.classes[point.schedule], point.per_stage_recompute)
+        return self._SIZES(point) + (self.classes[point[8]],)
 
     def cheap(self, point: Point) -> float:
         key = self._sizes(point) + (id(point.features),)

@@ -125,23 +125,29 @@ def _lower_rank(schedule: Schedule, rank: int, kind_at: list, stage_now: list, s
     return ops, codes, deps, delays, changes, peak
 
 
-def _execution_order(schedule: Schedule, rank_ops, rank_deps) -> list[tuple[int, int]]:
-    """(rank, index) of every op in an order that respects all dependencies; raises on deadlock."""
-    done = [False] * (3 * schedule.num_stages * schedule.num_microbatches)
+def _execution_order(schedule: Schedule, rank_ops, rank_deps) -> list[int]:
+    """Every op's position in the ranks' orders laid end to end (rank r's index i is r's offset + i), in an order
+    that respects all dependencies; raises on deadlock."""
+    done = bytearray(3 * schedule.num_stages * schedule.num_microbatches)
     waiter = [-1] * len(done)
     position = [0] * len(rank_ops)
+    offsets = [0] * len(rank_ops)
+    for rank in range(1, len(rank_ops)):
+        offsets[rank] = offsets[rank - 1] + len(rank_ops[rank - 1])
     ready, order = list(range(len(rank_ops))), []
+    append = order.append
     while ready:
         rank = ready.pop()
-        ops, deps, index = rank_ops[rank], rank_deps[rank], position[rank]
-        while index < len(ops):
+        ops, deps, index, offset = rank_ops[rank], rank_deps[rank], position[rank], offsets[rank]
+        count = len(ops)
+        while index < count:
             dep = deps[index]
             if dep >= 0 and not done[dep]:
                 waiter[dep] = rank
                 break
             op = ops[index]
-            done[op] = True
-            order.append((rank, index))
+            done[op] = 1
+            append(offset + index)
             if waiter[op] >= 0:
                 ready.append(waiter[op])
             index += 1
@@ -153,6 +159,13 @@ def _execution_order(schedule: Schedule, rank_ops, rank_deps) -> list[tuple[int,
             "runs later; reorder the ops"
         )
     return order
+
+
+def _flat(order: list[int], tables) -> tuple[list, ...]:
+    """Each per-rank table (a list per rank, laid end to end) read in the execution order."""
+    at = np.asarray(order, dtype=np.int64)
+    return tuple(np.concatenate([np.asarray(rows, dtype=np.int64) for rows in table]).take(at).tolist()
+                 if len(at) else [] for table in tables)
 
 
 def lower(schedule: Schedule) -> Program:
@@ -177,8 +190,7 @@ def _lower_checked(schedule: Schedule) -> Program:
         raise ScheduleError(f"schedule {schedule.name} never runs the {missing}; every op must occur once")
     ops, codes, deps, delays, changes, peaks = zip(*per_rank) if per_rank else ((),) * 6
     order = _execution_order(schedule, ops, deps)
-    flat = tuple([table[r][i] for r, i in order] for table in (ops, [[r] * len(o) for r, o in enumerate(ops)],
-                                                               deps, codes, delays))
+    flat = _flat(order, (ops, [[r] * len(o) for r, o in enumerate(ops)], deps, codes, delays))
     program = Program(
         rank_ops=ops, time_codes=codes, deps=deps, delay_codes=delays, stage_peak=tuple(stage_peak),
         rank_peak=tuple(peaks), act_deltas=changes, index_of=index_of, flat=flat,
@@ -213,8 +225,7 @@ def _lower_closed_form(schedule: Schedule) -> Program:
                          tuple(zip(found.tolist(), counts.tolist()))))
     ops, codes, deps, delays, changes, peaks, code_counts = zip(*per_rank)
     order = _execution_order(schedule, ops, deps)
-    flat = tuple([table[r][i] for r, i in order] for table in (ops, [[r] * len(o) for r, o in enumerate(ops)],
-                                                               deps, codes, delays))
+    flat = _flat(order, (ops, [[r] * len(o) for r, o in enumerate(ops)], deps, codes, delays))
     return Program(rank_ops=ops, time_codes=codes, deps=deps, delay_codes=delays, stage_peak=tuple(stage_peak),
                    rank_peak=tuple(peaks), act_deltas=changes, index_of=index_of.tolist(), flat=flat,
                    code_counts=code_counts)
