@@ -251,3 +251,26 @@ def test_search_by_depth_equals_a_search_per_fixed_depth(overrides):
         if alone is not None:
             assert found[depth].best.parallel.pipeline_model_parallel_size == depth
     assert answered >= 3
+
+
+def test_a_search_leaves_no_reference_cycles_and_the_collector_as_it_was():
+    """Searches pause Python's cycle collector (plan/search.py: _no_cycle_collection): that is safe only while they
+    drop no reference cycles, which the collector then finds none of; and it runs again afterwards (or stays off,
+    when the caller had turned it off)."""
+    import gc
+
+    from megapipe.plan.search import search_by_depth
+
+    inputs = dict(model=SMALL, cluster=cluster(), train=TRAIN, options=OPTIONS)
+    gc.collect()
+    assert gc.isenabled()
+    try:
+        gc.disable()
+        search(**inputs)
+        search_by_depth(depths=(1, 2, 4), **inputs)
+        assert not gc.isenabled()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    search(**inputs)
+    assert gc.isenabled()

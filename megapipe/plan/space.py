@@ -274,9 +274,9 @@ def enumerate_candidates(
 def _append_group(out: list[Point], groups: list[tuple[int, int, tuple]], sizes: tuple, accepted: tuple) -> None:
     """Appends a point of ``sizes`` per accepted feature set, and their run to ``groups``."""
     if accepted:
-        make = Point._make
+        new = tuple.__new__  # Point._make without its Python frame: ``sizes`` holds every field but the features
         groups.append((len(out), len(out) + len(accepted), accepted))
-        out.extend([make(sizes + (features,)) for features in accepted])
+        out.extend([new(Point, sizes + (features,)) for features in accepted])
 
 
 def _accepted(variants: tuple[RuntimeFeatures, ...], model: ModelSpec, point: Point, ep: int, train: TrainSpec,
