@@ -98,10 +98,20 @@ class Space:
     """(start, stop, feature sets) of each run of points equal but for their runtime features, in order; runs of
     equal feature sets share one tuple."""
     _records: dict = field(default_factory=dict, compare=False, repr=False)
-    """ParallelSpec and TrainSpec records already built, by their fields: points share them."""
+    """ParallelSpec and TrainSpec records already built, by their fields (points share them), and each Candidate
+    built, by its point's id beside the point (tuple keys and int keys never meet)."""
 
     def candidate(self, point: Point) -> Candidate:
-        """The record of one point."""
+        """The record of one point (the same record each time a point of this space is asked about: a search asks
+        for its memory test, its bound, its memory floor and its partition)."""
+        known = self._records.get(id(point))
+        if known is not None and known[0] is point:
+            return known[1]
+        made = self._candidate(point)
+        self._records[id(point)] = (point, made)
+        return made
+
+    def _candidate(self, point: Point) -> Candidate:
         parallel_key, train_key = point[:5] + point[7:8] + point[11:14], point[5:7]
         parallel = self._records.get(parallel_key)
         if parallel is None:
@@ -133,7 +143,7 @@ class Space:
     @property
     def candidates(self) -> tuple[Candidate, ...]:
         """Every point as a Candidate (built on each access)."""
-        return tuple(self.candidate(point) for point in self.points)
+        return tuple(self._candidate(point) for point in self.points)
 
 
 def _values(fixed: Mapping[str, object], name: str, default: tuple) -> tuple:
@@ -263,7 +273,7 @@ def enumerate_candidates(
                         enumerated += len(variants)
                         if len(accepted) < len(variants):
                             pruned["features"] += len(variants) - len(accepted)
-                        _append_group(out, groups, point[:11] + (ep, etp), accepted)
+                        _append_group(out, groups, point + (ep, etp), accepted)
     if not enumerated:
         raise ConfigError(_no_fit_message(world, fixed))
     return Space(points=tuple(out), pruned=pruned, enumerated=enumerated, train=train, groups=tuple(groups),
@@ -279,15 +289,14 @@ def _append_group(out: list[Point], groups: list[tuple[int, int, tuple]], sizes:
         out.extend([new(Point, sizes + (features,)) for features in accepted])
 
 
-def _accepted(variants: tuple[RuntimeFeatures, ...], model: ModelSpec, point: Point, ep: int, train: TrainSpec,
+def _accepted(variants: tuple[RuntimeFeatures, ...], model: ModelSpec, point: tuple, ep: int, train: TrainSpec,
               memo: dict[tuple, tuple]) -> tuple[RuntimeFeatures, ...]:
     """The searched feature sets megatron-core takes at this point's sizes, in order (it refuses EP overlap at
     PP > 1 without interleaving or with EP 1, CUDA graphs with full recompute, ...); every set when only one is
     searched. ``memo`` holds the answers of one enumeration by the fields read."""
     if len(variants) == 1:
         return variants
-    key = (point.pipeline_model_parallel_size, point.virtual_pipeline_model_parallel_size, ep,
-           point.recompute_granularity)
+    key = (point[2], point[4], ep, point[6])  # PP, VP, EP, recompute (Point's order)
     found = memo.get(key)
     if found is None:
         refused = _refusal(model, point, ep, train)
@@ -296,13 +305,11 @@ def _accepted(variants: tuple[RuntimeFeatures, ...], model: ModelSpec, point: Po
     return found
 
 
-def _refusal(model: ModelSpec, point: Point, ep: int, train: TrainSpec):
+def _refusal(model: ModelSpec, point: tuple, ep: int, train: TrainSpec):
     """Whether megatron-core refuses a feature set at this point's sizes (a function of the features)."""
-    parallel = ParallelSpec(pipeline_model_parallel_size=point.pipeline_model_parallel_size,
-                            virtual_pipeline_model_parallel_size=point.virtual_pipeline_model_parallel_size,
+    parallel = ParallelSpec(pipeline_model_parallel_size=point[2], virtual_pipeline_model_parallel_size=point[4],
                             expert_model_parallel_size=ep)
-    spec = TrainSpec(recompute_granularity=point.recompute_granularity, precision=train.precision,
-                     fp8_recipe=train.fp8_recipe)
+    spec = TrainSpec(recompute_granularity=point[6], precision=train.precision, fp8_recipe=train.fp8_recipe)
     return lambda features: feature_problem(features, model=model, parallel=parallel, train=spec) is not None
 
 
@@ -345,8 +352,9 @@ def _pp_values(world: int, tp_cp: int, model: ModelSpec, fixed: Mapping, options
     return values
 
 
-def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok, group) -> Iterator[Point | str]:
-    """Every point of one TP x CP x PP, or the reason it is pruned (``shape_ok``: the TP and CP rules hold).
+def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok, group) -> Iterator[tuple | str]:
+    """Every point of one TP x CP x PP as a plain tuple of :class:`Point`'s first fields (the enumeration adds EP,
+    ETP and the features), or the reason it is pruned (``shape_ok``: the TP and CP rules hold).
 
     Reasons, first that applies: ``microbatches`` (the global batch does not divide), ``divisibility``
     (Megatron's shape rules, and at least one decoder per virtual stage), ``microbatches`` (the
@@ -391,7 +399,7 @@ def _inner(*, model, train, fixed, options, tp, cp, pp, dp, shape_ok, group) -> 
                     adaptive = recompute == "per_stage"
                     granularity = Recompute.none if adaptive else recompute
                     for sp in sps:
-                        yield reason or Point(tp, cp, pp, dp, vp, mbs, granularity, sp, name, adaptive, m)
+                        yield reason or (tp, cp, pp, dp, vp, mbs, granularity, sp, name, adaptive, m)
 
 
 def _max_virtual(model, pp: int, options) -> int:
