@@ -243,3 +243,31 @@ def test_simulate_says_what_it_timed_what_write_up_means_and_where_the_files_wen
     assert lines[0].startswith("megapipe simulate: llama3_70b on 128 h100_80gb GPUs (16 nodes of 8) (cost model), TP=4 CP=1 DP=4 PP=8, "
                                "32 microbatches")
     assert not any(line.startswith("files in") for line in lines) and not (tmp_path / "outputs").exists()
+
+
+def _drawn(path, mark):
+    with open(path, "a") as handle:
+        handle.write(mark)
+
+
+def _broken(path):
+    raise ValueError(f"cannot draw {path}")
+
+
+def test_without_a_painter_pictures_are_drawn_at_finish_in_order_and_a_failure_is_one_line(tmp_path):
+    from megapipe.commands import painter
+    from megapipe.errors import MegapipeError
+
+    target = tmp_path / "drawn.txt"
+    painter.draw(_drawn, str(target), "a")
+    painter.draw(_drawn, str(target), "b")
+    assert not target.exists()  # nothing yet: the command prints its answer first
+    painter.finish()
+    assert target.read_text() == "ab"
+    painter.draw(_broken, "x.png")
+    with pytest.raises(MegapipeError, match="drawing a picture failed: ValueError: cannot draw x.png"):
+        painter.finish()
+    painter.draw(_drawn, str(target), "c")
+    painter.stop()  # a failed run's pictures are dropped, never drawn by a later command
+    painter.finish()
+    assert target.read_text() == "ab"

@@ -143,8 +143,7 @@ def run(job: PackInputs, *, directory: str) -> None:
     with process_map(len(job.jobs), one_at_a_time=True) as mapper:  # a 405B job's curve against an 8B one's
         result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper,
                            workers=process_workers(len(job.jobs)))
-    early = job.output.pictures and painter.active()
-    if early:  # the painter draws while the files are written
+    if job.output.pictures:  # the painter draws them while the files are written
         _pictures(result, cluster, directory)
     document = pack_document(result, cluster, inputs=job.inputs)
     atomic_write_text(os.path.join(directory, "pack.yaml"), dump_yaml(document))
@@ -157,8 +156,6 @@ def run(job: PackInputs, *, directory: str) -> None:
     else:
         _print(result, cluster, directory, nodes_source=job.nodes_source, pictures=pictures,
                max_virtual=job.search.max_virtual_pipeline_model_parallel_size)
-    if job.output.pictures and not early:  # after the answer: matplotlib takes a while in this process
-        _pictures(result, cluster, directory)
 
 
 def _title(result, cluster, nodes_source: str | None) -> str:

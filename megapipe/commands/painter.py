@@ -5,8 +5,9 @@ matplotlib's import and a picture's rendering take longer than a plan's search o
 imports; the painter imports the drawing modules at once (on another core) and then draws what the command
 hands it (:func:`draw`: a module-level function and its arguments), while the command goes on.
 :func:`finish` waits for every picture; a drawing's error reaches the command as one line. Without a painter
-(``main()`` called in-process, as tests do, or one core) :func:`draw` draws in the calling process. The pictures
-are the same bytes either way: the painter runs the same functions on the same records.
+(``main()`` called in-process, as tests do, or one core) the pictures are drawn in the calling process by
+:func:`finish`, after the command has printed its answer. So a command hands its pictures over as soon as it has
+them, either way. The pictures are the same bytes either way: the same functions run on the same records.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 
 from megapipe.errors import MegapipeError
 
-__all__ = ["start", "active", "draw", "finish", "stop"]
+__all__ = ["start", "draw", "finish", "stop"]
 
 _WARM = ("matplotlib.figure", "matplotlib.backends.backend_agg", "megapipe.report.canvas", "megapipe.report.gantt",
          "megapipe.report.plots")
@@ -25,6 +26,9 @@ _WARM = ("matplotlib.figure", "matplotlib.backends.backend_agg", "megapipe.repor
 
 _painter = None
 """(process, connection, pictures handed over and not yet finished) of this process's painter, or None."""
+
+_waiting: list = []
+"""Without a painter: the drawings :func:`finish` makes here."""
 
 
 def start() -> None:
@@ -44,29 +48,32 @@ def start() -> None:
     _painter = [process, ours, 0]
 
 
-def active() -> bool:
-    """Whether a painter draws for this process (:func:`draw` then returns at once)."""
-    return _painter is not None
-
-
 def draw(function: Callable, /, *args, **kwargs) -> None:
-    """Draw with ``function(*args, **kwargs)`` in the painter, or here when there is none."""
-    if _painter is None:
-        function(*args, **kwargs)
-        return
-    try:
-        _painter[1].send((function, args, kwargs))
-        _painter[2] += 1
-    except (OSError, EOFError):  # the painter is gone: draw here
-        stop()
-        function(*args, **kwargs)
+    """Draw with ``function(*args, **kwargs)`` in the painter now, or here at :func:`finish` when there is none."""
+    if _painter is not None:
+        try:
+            _painter[1].send((function, args, kwargs))
+            _painter[2] += 1
+            return
+        except (OSError, EOFError):  # the painter is gone: draw here
+            stop()
+    _waiting.append((function, args, kwargs))
 
 
 def finish() -> None:
-    """Wait until every picture handed to the painter is written; raise the first drawing error."""
-    if _painter is None:
-        return
+    """Wait until every picture handed over is written (drawing here those no painter took); raise the first
+    drawing error."""
     errors = []
+    while _waiting:
+        function, args, kwargs = _waiting.pop(0)
+        try:
+            function(*args, **kwargs)
+        except Exception as exc:  # as the painter reports it: one line
+            errors.append(f"{type(exc).__name__}: {exc}")
+    if _painter is None:
+        if errors:
+            raise MegapipeError(f"drawing a picture failed: {errors[0]}")
+        return
     connection = _painter[1]
     while _painter[2]:
         try:
@@ -83,8 +90,9 @@ def finish() -> None:
 
 
 def stop() -> None:
-    """End the painter (after :func:`finish`, or when the command draws nothing)."""
+    """End the painter (after :func:`finish`, or when the command draws nothing); drawings not made are dropped."""
     global _painter
+    _waiting.clear()
     if _painter is None:
         return
     process, connection, _ = _painter

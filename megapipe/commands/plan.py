@@ -123,7 +123,7 @@ def run(job: PlanInputs, *, directory: str) -> None:
                               template=scenario.parallel)
     if not job.output.json:  # the answer first: the files below take a while to write
         console().print(_plans_table(result, scenario=scenario, reference=job.search.reference))
-    if job.output.pictures and painter.active():  # drawn on the other core while the plan is written and printed
+    if job.output.pictures:  # the painter draws them while the plan is written and printed
         _pictures(directory, result, model_name=scenario.model.name, cluster=scenario.cluster)
     extra = {"seq_length_source": scenario.seq_length_source}
     written = write_plan(directory, result=result, model=scenario.model, cluster=scenario.cluster, inputs=job.inputs,
@@ -138,8 +138,6 @@ def run(job: PlanInputs, *, directory: str) -> None:
     else:
         print_plans(result, scenario=scenario, reference=job.search.reference, emitted=emitted, directory=directory,
                     files=files, nodes=nodes, table=False)
-    if job.output.pictures and not painter.active():  # drawn here: after the answer, which they would delay
-        _pictures(directory, result, model_name=scenario.model.name, cluster=scenario.cluster)
 
 
 def _launch_line(cluster: ClusterSpec, emitted) -> str:
