@@ -39,8 +39,9 @@ KEEP = 512
 _FORMAT = b"megapipe-compose-1"
 _SUFFIX = ".cfg.pickle"
 
-_digest: bytes | None = None
-"""This process's hash of the config files, the schema and the versions (they do not change while it runs)."""
+_digests: dict[str, bytes] = {}
+"""This process's hash of a config directory's files, the schema and the versions, by directory (they do not change
+while it runs)."""
 
 
 def cache_dir() -> str | None:
@@ -117,8 +118,8 @@ def _finish(cfg: DictConfig, parsed: list, values: list, return_hydra_config: bo
 
 
 def _inputs_digest(conf_dir: str) -> bytes:
-    global _digest
-    if _digest is None:
+    found = _digests.get(conf_dir)
+    if found is None:
         import hydra
         import omegaconf
 
@@ -138,8 +139,8 @@ def _inputs_digest(conf_dir: str) -> bytes:
                 data = handle.read()
             digest.update(os.path.relpath(path, conf_dir).encode("utf-8") + b"\0")
             digest.update(hashlib.sha256(data).digest())
-        _digest = digest.digest()
-    return _digest
+        found = _digests[conf_dir] = digest.digest()
+    return found
 
 
 def _plugin_dirs() -> list[str]:

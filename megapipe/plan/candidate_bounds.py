@@ -140,11 +140,9 @@ class CandidateBounds:
                 min((unit.fwd_ms / (unit.fwd_ms + unit.bwd_ms) for unit in units if unit.fwd_ms + unit.bwd_ms > 0),
                     default=0.0))
         fwd_ms, bwd_ms, forward_share = found
-        pp, m = pipeline_model_parallel_size, num_microbatches
-        total_ms = (fwd_ms + bwd_ms) * min_time_scale
-        phi = {PathShare.whole: 1.0, PathShare.forward: forward_share}.get(spec(schedule).path_share, 0.0)
-        ratio = 1.0 - phi / m
-        return m * total_ms / sum(ratio ** r for r in range(pp)) + self.cluster.runtime.step_overhead_ms
+        return (_pipeline_ms((fwd_ms + bwd_ms) * min_time_scale, pp=pipeline_model_parallel_size, m=num_microbatches,
+                             schedule=schedule, forward_share=forward_share)
+                + self.cluster.runtime.step_overhead_ms)
 
     def bound_terms(self, cand: Candidate, *, min_time_scale: float, forward_share: float,
                     include_sync: bool = True) -> Bound:
@@ -152,10 +150,8 @@ class CandidateBounds:
         totals = self.totals(cand)
         par = cand.parallel
         pp, m = par.pipeline_model_parallel_size, cand.num_microbatches
-        total_ms = (totals.fwd_ms + totals.bwd_ms) * min_time_scale
-        phi = {PathShare.whole: 1.0, PathShare.forward: forward_share}.get(spec(cand.schedule).path_share, 0.0)
-        ratio = 1.0 - phi / m
-        pipeline = m * total_ms / sum(ratio ** r for r in range(pp))
+        pipeline = _pipeline_ms((totals.fwd_ms + totals.bwd_ms) * min_time_scale, pp=pp, m=m, schedule=cand.schedule,
+                                forward_share=forward_share)
         # Some rank holds ceil(N / p) decoders and runs their F + B for every microbatch in sequence.
         fullest = m * -(-totals.num_decoders // pp) * totals.decoder_min_ms * min_time_scale
         pipeline = max(pipeline, fullest, m * self._busiest_rank_ms(cand) * min_time_scale)
@@ -407,6 +403,14 @@ class CandidateBounds:
                    for layers in others for low, entry in zip(least, layers)):
             return True
         return self.split_can_fit(lightest, gpus)
+
+
+def _pipeline_ms(total_ms: float, *, pp: int, m: int, schedule: str, forward_share: float) -> float:
+    """The pipeline term m T / sum_{r<p} q^r of :meth:`CandidateBounds.bound` (q = 1 - phi/m, phi the share of a
+    rank's time on the schedule's fill path)."""
+    phi = {PathShare.whole: 1.0, PathShare.forward: forward_share}.get(spec(schedule).path_share, 0.0)
+    ratio = 1.0 - phi / m
+    return m * total_ms / sum(ratio ** r for r in range(pp))
 
 
 def _capped_level(pinned, per_layer: float, fewest, largest, num_layers: int) -> float | None:

@@ -19,24 +19,23 @@ import numpy as np
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.space import Space
 
-__all__ = ["dominated_features", "feature_groups", "group_dominated"]
+__all__ = ["dominated_features"]
 
 _SIZES = slice(0, 13)
 """A point's fields but its features (:class:`megapipe.plan.space.Point`): its group."""
 
 
 def dominated_features(costs: LayerCosts, space: Space) -> set[int]:
-    """Indices of the points another point of their group dominates (every group at once; the search asks per group,
-    as it reaches one: :func:`group_dominated`)."""
+    """Indices of the points another point of their group dominates."""
     points = space.points
     out: set[int] = set()
     settled: dict[tuple, tuple[int, ...]] = {}
-    for start, stop, features in space.groups or feature_groups(points):
-        out.update(start + position for position in group_dominated(costs, space, start, stop, features, settled))
+    for start, stop, features in space.groups or _groups(points):
+        out.update(start + position for position in _group_dominated(costs, space, start, stop, features, settled))
     return out
 
 
-def group_dominated(costs: LayerCosts, space: Space, start: int, stop: int, features: tuple,
+def _group_dominated(costs: LayerCosts, space: Space, start: int, stop: int, features: tuple,
                     settled: dict[tuple, tuple[int, ...]]) -> tuple[int, ...]:
     """Positions in the group of points ``start:stop`` (equal but for their feature sets ``features``) that another
     point of the group dominates. ``settled`` keeps verdicts by sizes and the identity of the feature sets within one
@@ -60,7 +59,7 @@ def group_dominated(costs: LayerCosts, space: Space, start: int, stop: int, feat
     return positions
 
 
-def feature_groups(points) -> list[tuple[int, int, tuple]]:
+def _groups(points) -> list[tuple[int, int, tuple]]:
     """(start, stop, feature sets) of each run of points equal but for their features (a group's points are
     consecutive)."""
     out: list[tuple[int, int, tuple]] = []

@@ -88,10 +88,10 @@ def search(
 def _no_cycle_collection():
     """Python's cycle collector paused while a search runs (and as it was afterwards). A search makes hundreds of
     thousands of small tuples and records that live until it ends (a point per candidate and feature set, the
-    bounds' keys), and the collector would walk all of them again each time their number grows by a quarter: a
-    third of DeepSeek-V3's enumeration and about a seventh of its search. Nothing a search makes needs the collector:
-    it drops no reference cycles (``gc.collect()`` finds none after the default, DeepSeek-V3 and by-depth searches;
-    tests/test_plan_search.py), so memory is the same (174 MB at the peak of DeepSeek-V3's search either way)."""
+    bounds' keys), and the collector would walk all of them again each time their number grows by a quarter
+    (DeepSeek-V3's search: 3.71 s with it, 3.15 s without, ``scripts/bench_plan.py --moe``). Nothing a search
+    makes needs the collector: it drops no reference cycles (``gc.collect()`` finds none after one;
+    tests/test_plan_search.py), so pausing the collector costs no memory."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -276,7 +276,7 @@ class _PointBounds:
         return self._SIZES(point) + (self.classes[point[8]],)
 
     def cheap(self, point: Point) -> float:
-        key = self._sizes(point) + (id(point.features),)  # _bound_all looks this key up itself
+        key = self._sizes(point) + (id(point.features),)
         found = self._cheap.get(key)
         if found is None:
             if point.per_stage_recompute:
@@ -325,13 +325,7 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter
     dominated = dominated_features(evaluator.costs, space)
     if dominated:
         pruned["features"] += len(dominated)
-    out = []
-    append, known, sizes, classes, cheap = out.append, bounds._cheap, bounds._SIZES, bounds.classes, bounds.cheap
-    for index, point in enumerate(space.points):
-        if index in dominated:
-            continue
-        found = known.get(sizes(point) + (classes[point[8]], id(point[13])))  # cheap()'s key, looked up here
-        append((cheap(point) if found is None else found, index, point))
+    out = [(bounds.cheap(point), index, point) for index, point in enumerate(space.points) if index not in dominated]
     out.sort()  # by bound, then index (indices differ, so points are never compared)
     return out, bounds
 
