@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from megapipe.layout import mtp_problem
 from megapipe.partition import StageSpec
 from megapipe.partition.memory import stage_ranks
-from megapipe.partition.pinned import pinned_cases, pinned_may_fit, pinned_shape, pinned_split
+from megapipe.partition.pinned import pinned_cases, pinned_may_fit, pinned_rank_totals, pinned_shape, pinned_split
 from megapipe.records import LayerCost, LayerKind
 from megapipe.schedules import build, rank_in_flight_profiles
 
@@ -137,6 +137,61 @@ def test_pinned_split_and_may_fit_against_brute_force(layers, sizes, num_microba
         assert max(math.fsum(e.fwd_ms + e.bwd_ms for e in chunk) for chunk in chunks) == pytest.approx(best, rel=1e-9)
     anywhere = _brute(layers, stages, schedule, num_microbatches, vp, mtp_rules=False)
     assert pinned_may_fit(shape=shape, stages=stages, ranks=ranks, profiles=profiles) == (anywhere is not None)
+
+
+def _brute_busiest(layers, stages, schedule, num_microbatches, vp):
+    """The least busiest rank's F + B (all its stages together) over every split that fits and megatron-core takes."""
+    pp = len(stages)
+    built = build(schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+                  virtual_pipeline_model_parallel_size=vp)
+    best = None
+    for cuts in itertools.combinations(range(1, len(layers)), pp * vp - 1):
+        bounds = (0, *cuts, len(layers))
+        chunks = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+        if mtp_problem([[e.kind for e in chunk] for chunk in chunks], pipeline_model_parallel_size=pp):
+            continue
+        if not _fits(chunks, stages, built):
+            continue
+        work = [0.0] * pp
+        for c, chunk in enumerate(chunks):
+            work[built.stage_to_rank[c]] += math.fsum(e.fwd_ms + e.bwd_ms for e in chunk)
+        best = max(work) if best is None or max(work) < best else best
+    return best
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(moe_profiles(), st.sampled_from([(2, 2), (2, 3), (3, 2), (2, 1), (3, 1), (4, 1)]), st.sampled_from([6, 12]),
+       st.floats(0.5, 1.5), st.sampled_from(["interleaved_1f1b", "zb_v", "1f1b"]))
+def test_pinned_rank_totals_bound_the_busiest_rank(layers, sizes, num_microbatches, fraction, schedule):
+    """Water-filling each placement's ranks between their fewest and largest decoders (what the planner's memory
+    floor does) never exceeds the busiest rank of the best split megatron-core takes, and finds no level exactly
+    when no such split fits; one stage per rank (1F1B) as well as several."""
+    from megapipe.plan.candidate_bounds import _capped_level
+
+    pp, vp = sizes
+    if schedule == "zb_v":
+        vp = 2
+    if schedule == "1f1b":
+        vp = 1
+    elif vp == 1:
+        return
+    if len(layers) < pp * vp or schedule == "interleaved_1f1b" and num_microbatches % pp:
+        return
+    shape = pinned_shape(layers)
+    stages = _stages(layers, pp, fraction)
+    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+    profiles = rank_in_flight_profiles(schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+                                       virtual_pipeline_model_parallel_size=vp)
+    found = pinned_rank_totals(shape=shape, stages=stages, ranks=ranks, profiles=profiles)
+    assert found is not None
+    unit = shape.decoder.fwd_ms + shape.decoder.bwd_ms
+    levels = [_capped_level(pinned, unit, fewest, largest, shape.num_decoders) for pinned, fewest, largest in zip(*found)]
+    level = min((value for value in levels if value is not None), default=None)
+    best = _brute_busiest(layers, stages, schedule, num_microbatches, vp)
+    if best is None:
+        assert level is None
+    else:
+        assert level is not None and level <= best * (1 + 1e-9)
 
 
 def test_pinned_cases_place_the_ends_every_way_once():

@@ -185,6 +185,7 @@ def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
     ["model=llama3_8b", "cluster.num_nodes=2", "train.global_batch_size=128"],
     ["model=llama3_70b", "cluster.num_nodes=4", "train.global_batch_size=64", "train.seq_length=4096",
      "search.what_if_schedules=true"],
+    ["model=deepseek_v3", "cluster.num_nodes=64", "train.global_batch_size=4096", "search.what_if_schedules=true"],
 ])
 def test_memory_floor_never_exceeds_a_partition_floor(overrides):
     """The memory floor (each rank's decoder capacity under its memory, water-filled) is a lower bound on the

@@ -26,7 +26,7 @@ from megapipe.layout import mtp_problem
 from megapipe.partition.counts import Pins, boundaries, count_search, first_ok, rank_stages, stage_counts
 from megapipe.records import LayerCost, LayerKind, StageSpec
 
-__all__ = ["PinnedShape", "pinned_shape", "pinned_split", "pinned_may_fit", "pinned_cases"]
+__all__ = ["PinnedShape", "pinned_shape", "pinned_split", "pinned_may_fit", "pinned_cases", "pinned_rank_totals"]
 
 MAX_CASES = 256
 """The most placements of the ends the split enumerates (``2^(a-1) x 2^(b-1)``: a + b up to 10 entries)."""
@@ -165,11 +165,57 @@ def pinned_may_fit(*, shape: PinnedShape, stages: Sequence[StageSpec], ranks: Se
     arrays = [np.asarray(profile, dtype=float).reshape(-1, len(own)) for profile, own in zip(profiles, owned)]
     table = _case_table(shape, len(ranks))
     if len({len(own) for own in owned}) == 1 and all(len(array) for array in arrays):
-        found = _stacked_may_fit(shape, table, stages, owned, arrays)
+        found = _stacked_capacity(shape, table, stages, owned, arrays)
         if found is not None:
-            return found
+            fits, _, largest = found
+            return bool((fits & (largest.sum(axis=1) >= shape.num_decoders)).any())
     capacity = _Capacity(shape, stages, owned, arrays)
     return any(capacity.reaches(pins) for pins, _ in pinned_cases(shape, len(ranks)))
+
+
+def pinned_rank_totals(*, shape: PinnedShape, stages: Sequence[StageSpec], ranks: Sequence[int],
+                       profiles: Sequence[Sequence[Sequence[int]]]):
+    """Per placement of the ends that megatron-core takes (its MTP blocks where :func:`megapipe.layout.mtp_problem`
+    allows them) and whose pinned entries and fewest decoders fit every rank: (each rank's pinned entries' F + B,
+    the fewest and the largest run decoders it can hold within its coupled memory), as arrays over placements and
+    ranks, the largest leaning high in rounding as :func:`pinned_may_fit`'s. Every split that fits is one of these
+    placements with each rank's decoders between its fewest and its largest. None when this closed form does not
+    apply (ranks of unequally many stages, rows not along them)."""
+    owned = rank_stages(ranks, len(stages))
+    arrays = [np.asarray(profile, dtype=float).reshape(-1, len(own)) for profile, own in zip(profiles, owned)]
+    if len({len(own) for own in owned}) != 1 or not all(len(array) for array in arrays):
+        return None
+    table = _case_table(shape, len(ranks))
+    found = _stacked_capacity(shape, table, stages, owned, arrays)
+    if found is None:
+        return None
+    fits, fewest, largest = found
+    keep = fits & _allowed_cases(shape, len(ranks), len(stages))
+    ends = np.array([e.fwd_ms + e.bwd_ms for e in shape.head + shape.tail], dtype=float)
+    stage_ms = _case_layout(len(shape.head), len(shape.tail), len(ranks), shape.num_decoders).holds @ ends
+    pinned = stage_ms[:, np.asarray(owned)].sum(axis=2)  # placements x ranks
+    return pinned[keep], fewest[keep], largest[keep]
+
+
+@lru_cache(maxsize=256)
+def _allowed_kinds(head: tuple, tail: tuple, num_stages: int, num_decoders: int, pipeline_model_parallel_size: int
+                   ) -> np.ndarray:
+    """Which rows of :func:`_case_layout` place the MTP blocks where megatron-core takes them, for ends of these
+    kinds."""
+    marks = [LayerCost(name="", kind=kind, fwd_ms=0.0, bwd_ms=0.0, wgrad_ms=0.0, static_bytes=0.0, act_bytes=0.0)
+             for kind in head + tail]
+    placeholder = PinnedShape(head=tuple(marks[:len(head)]), decoder=LayerCost(
+        name="d", kind=LayerKind.decoder, fwd_ms=0.0, bwd_ms=0.0, wgrad_ms=0.0, static_bytes=0.0, act_bytes=0.0),
+        num_decoders=num_decoders, tail=tuple(marks[len(head):]))
+    mask = np.array([_allowed(kinds, pipeline_model_parallel_size) for pins, kinds in
+                     pinned_cases(placeholder, num_stages) if sum(pins.low) <= num_decoders], dtype=bool)
+    mask.setflags(write=False)
+    return mask
+
+
+def _allowed_cases(shape: PinnedShape, num_stages: int, pipeline_model_parallel_size: int) -> np.ndarray:
+    return _allowed_kinds(tuple(e.kind for e in shape.head), tuple(e.kind for e in shape.tail), num_stages,
+                          shape.num_decoders, pipeline_model_parallel_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,13 +277,17 @@ def _case_layout(head: int, tail: int, num_stages: int, num_decoders: int) -> _C
     return layout
 
 
-def _stacked_may_fit(shape: PinnedShape, table: _CaseTable, stages, owned, arrays) -> bool | None:
-    """:func:`pinned_may_fit` for ranks of equally many stages, every placement and rank at once on their stacked
-    rows (None: some rank's rows do not fall along its stages). Back-loading with every other stage at its fewest
-    fills the last stage that may take decoders until a row's room runs out."""
+def _stacked_capacity(shape: PinnedShape, table: _CaseTable, stages, owned, arrays):
+    """For ranks of equally many stages, every placement and rank at once on their stacked rows: (whether the
+    placement's pinned entries and fewest decoders fit every rank, each rank's fewest and largest run decoders), over
+    placements and ranks; None when some rank's rows do not fall along its stages. Back-loading with every other
+    stage at its fewest fills the last stage that may take decoders until a row's room runs out; every placement is
+    unfit at once when even with nothing pinned the ranks cannot hold every decoder."""
     decoder, n = shape.decoder, shape.num_decoders
-    if not len(table.low):
-        return False
+    cases, num_ranks = len(table.low), len(arrays)
+    none = (np.zeros(cases, dtype=bool), np.zeros((cases, num_ranks)), np.zeros((cases, num_ranks)))
+    if not cases:
+        return none
     counts = np.concatenate(arrays)  # rows x chunks, each rank's rows in turn
     weights = decoder.static_bytes + counts * decoder.act_bytes
     if not (weights[:, :-1] >= weights[:, 1:]).all():
@@ -251,7 +301,7 @@ def _stacked_may_fit(shape: PinnedShape, table: _CaseTable, stages, owned, array
     last = weights[:, -1]
     most = np.minimum(np.where(last > 0, np.floor(room / np.where(last > 0, last, 1.0) + 1e-9), n), n)
     if np.minimum.reduceat(most, starts).sum() < n:
-        return False
+        return none
     stage_of = np.asarray(owned)[rank_of_row]  # rows x chunks: the layout stage of each column
     low = table.low[:, stage_of]  # placements x rows x chunks
     held = (table.static[:, stage_of] + counts * table.act[:, stage_of] + weights * low).sum(axis=2)
@@ -262,9 +312,9 @@ def _stacked_may_fit(shape: PinnedShape, table: _CaseTable, stages, owned, array
     fill = np.take_along_axis(np.broadcast_to(weights, low.shape), last_open[:, :, None], axis=2)[:, :, 0]
     most = np.where(fill > 0, np.floor(spare / np.where(fill > 0, fill, 1.0) + 1e-9), n)
     most = np.where(open_.any(axis=2), np.minimum(most, n), 0.0)
-    per_rank = np.minimum.reduceat(most, starts, axis=1) + low[:, starts, :].sum(axis=2)
+    fewest = low[:, starts, :].sum(axis=2)
     fits = (spare >= 0).all(axis=1)
-    return bool((fits & (per_rank.sum(axis=1) >= n)).any())
+    return fits, fewest, np.minimum.reduceat(most, starts, axis=1) + fewest
 
 
 class _Capacity:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from megapipe.partition.memory import in_flight_counts, stage_ranks
 from megapipe.partition.coupled import UniformShape, uniform_may_fit, uniform_rank_totals, uniform_shape
-from megapipe.partition.pinned import PinnedShape, pinned_may_fit, pinned_shape
+from megapipe.partition.pinned import PinnedShape, pinned_may_fit, pinned_rank_totals, pinned_shape
 from megapipe.plan.bounds import least_in_flight, split_can_fit, stage_capacities, water_level
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.per_stage_recompute import RECOMPUTE_OPTIONS, variant
@@ -305,7 +305,8 @@ class CandidateBounds:
     def memory_floor_ms(self, cand: Candidate) -> float | None:
         """A lower bound on the step of every split that fits memory, sharper than :meth:`bound` where memory forces
         an uneven split; None where it does not apply (a profile other than identical decoders between the
-        embedding and the loss, a mixed cluster, per-stage recompute, memory ignored); inf where no split fits.
+        embedding and the loss or a few entries at each end around identical decoders (:meth:`_pinned_floor_ms`), a
+        mixed cluster, per-stage recompute, memory ignored); inf where no split fits.
 
         Each rank holds between its fewest and its largest decoder total under its memory (one stage per rank:
         :func:`~megapipe.plan.bounds.stage_capacities`; several: their coupled memory,
@@ -321,6 +322,8 @@ class CandidateBounds:
         par = cand.parallel
         pp = par.pipeline_model_parallel_size
         ranks = self._layout_ranks(cand)
+        if isinstance(shape, PinnedShape):
+            return self._pinned_floor_ms(cand, shape, ranks)
         if not isinstance(shape, UniformShape):
             return None
         specs = self.costs.stage_specs(cand, None, layers_of=self.costs.bound_layers)
@@ -358,6 +361,32 @@ class CandidateBounds:
         if level is None:
             return math.inf
         optimizer, sync = self._dp_step_terms(cand, totals, True)
+        return cand.num_microbatches * level * (1 - 1e-9) + self.cluster.runtime.step_overhead_ms + optimizer + sync
+
+    def _pinned_floor_ms(self, cand: Candidate, shape: PinnedShape, ranks: tuple[int, ...]) -> float | None:
+        """:meth:`memory_floor_ms` of a profile with a few entries at its ends around identical decoders, on ranks of
+        several stages: the least water level over the placements of the ends megatron-core takes, each rank holding
+        its pinned entries' F + B and between its fewest and its largest decoders under its coupled memory
+        (:func:`~megapipe.partition.pinned.pinned_rank_totals`)."""
+        par = cand.parallel
+        pp = par.pipeline_model_parallel_size
+        per_decoder = shape.decoder.fwd_ms + shape.decoder.bwd_ms
+        if per_decoder <= 0:
+            return None
+        profiles = rank_in_flight_profiles(
+            cand.schedule, pipeline_model_parallel_size=pp, num_microbatches=cand.num_microbatches,
+            virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+            microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage)
+        specs = self.costs.stage_specs(cand, None, layers_of=self.costs.bound_layers)
+        found = pinned_rank_totals(shape=shape, stages=specs, ranks=ranks, profiles=profiles)
+        if found is None:
+            return None
+        levels = [_capped_level(pinned, per_decoder, fewest, largest, shape.num_decoders)
+                  for pinned, fewest, largest in zip(*found)]
+        level = min((found for found in levels if found is not None), default=None)
+        if level is None:
+            return math.inf
+        optimizer, sync = self._dp_step_terms(cand, self.totals(cand), True)
         return cand.num_microbatches * level * (1 - 1e-9) + self.cluster.runtime.step_overhead_ms + optimizer + sync
 
     def _shape(self, cand: Candidate) -> UniformShape | PinnedShape | None:
