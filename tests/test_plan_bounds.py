@@ -158,7 +158,7 @@ def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
     from megapipe.config import compose, to_scenario
     from megapipe.config.options import search_options
     from megapipe.plan import search as planner
-    from megapipe.plan.dominance import dominated_features
+    from megapipe.plan.dominance import surviving_points
 
     cfg = compose(["model=qwen3_30b_a3b", "cluster.num_nodes=2", "train.global_batch_size=64"])
     scenario = to_scenario(cfg, search=True)
@@ -167,7 +167,7 @@ def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
     space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
                                  fixed=scenario.fixed, options=options)
     bounded, bounds = planner._bound_all(evaluator, space, Counter())
-    dominated = dominated_features(evaluator.costs, space)
+    dominated = set(range(len(space.points))) - set(surviving_points(evaluator.costs, space))
     assert {index for _, index, _ in bounded} == set(range(len(space.points))) - dominated and dominated
     assert {point.expert_tensor_parallel_size for point in space.points} != {1}  # ETP is searched here
     cap = scenario.cluster.gpu.usable_memory_bytes

@@ -24,7 +24,7 @@ from megapipe.cost.params import decoder_params, expert_params, mtp_params, unit
 from megapipe.cost.shapes import shapes_of
 from megapipe.cost.timing import Device
 from megapipe.features import GRAPHED_SCOPES
-from megapipe.plan.dominance import dominated_features
+from megapipe.plan.dominance import surviving_points
 from megapipe.plan.evaluator import Evaluator
 from megapipe.plan.space import enumerate_candidates
 from megapipe.records import LayerKind, ParallelSpec, Recompute, RuntimeFeatures
@@ -155,5 +155,5 @@ def test_dominance_settled_per_layer_key_equals_the_pairwise_definition():
                                  fixed=scenario.fixed, options=options)
     assert len({point.features for point in space.points}) > 1
     evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster, options=options)
-    found = dominated_features(evaluator.costs, space)
+    found = set(range(len(space.points))) - set(surviving_points(evaluator.costs, space))
     assert found and found == _pairwise_dominated(evaluator, space)

@@ -14,49 +14,44 @@ feature sets, for every pipeline and data-parallel size at once.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from megapipe.plan.layer_costs import LayerCosts
 from megapipe.plan.space import Space
 
-__all__ = ["dominated_features"]
+__all__ = ["surviving_points"]
 
 _SIZES = slice(0, 13)
 """A point's fields but its features (:class:`megapipe.plan.space.Point`): its group."""
 
+_LAYER_SIZES = operator.itemgetter(0, 1, 5, 6, 7, 11, 12)
+"""The sizes a unit's costs read (TP, CP, micro-batch, recompute, SP, EP, ETP)."""
 
-def dominated_features(costs: LayerCosts, space: Space) -> set[int]:
-    """Indices of the points another point of their group dominates."""
+
+def surviving_points(costs: LayerCosts, space: Space) -> list[int]:
+    """Indices of the points no other point of their group dominates, in order."""
     points = space.points
-    out: set[int] = set()
+    out: list[int] = []
     settled: dict[tuple, tuple[int, ...]] = {}
+    shared = costs.dominance
     for start, stop, features in space.groups or _groups(points):
-        out.update(start + position for position in _group_dominated(costs, space, start, stop, features, settled))
-    return out
-
-
-def _group_dominated(costs: LayerCosts, space: Space, start: int, stop: int, features: tuple,
-                    settled: dict[tuple, tuple[int, ...]]) -> tuple[int, ...]:
-    """Positions in the group of points ``start:stop`` (equal but for their feature sets ``features``) that another
-    point of the group dominates. ``settled`` keeps verdicts by sizes and the identity of the feature sets within one
-    space; :attr:`LayerCosts.dominance` keeps them by value, so searches that share unit costs (pack's node counts)
-    settle each once."""
-    if stop - start < 2:
-        return ()
-    first = space.points[start]
-    # the layer key's sizes (TP, CP, micro-batch, recompute, SP, EP, ETP) and the members' feature sets (runs of
-    # equal sets share one tuple)
-    sizes = first[:2] + first[5:8] + first[11:13]
-    key = sizes + (id(features),)
-    positions = settled.get(key)
-    if positions is None:
-        shared = costs.dominance
-        positions = shared.get(sizes + (features,))
+        if stop - start < 2:
+            out.append(start)
+            continue
+        # the layer key's sizes and the members' feature sets (runs of equal sets share one tuple)
+        sizes = _LAYER_SIZES(points[start])
+        key = sizes + (id(features),)
+        positions = settled.get(key)
         if positions is None:
-            positions = shared[sizes + (features,)] = dominated_positions(
-                costs, [space.candidate(space.points[index]) for index in range(start, stop)])
-        settled[key] = positions
-    return positions
+            positions = shared.get(sizes + (features,))
+            if positions is None:
+                positions = shared[sizes + (features,)] = surviving_positions(
+                    costs, [space.candidate(points[index]) for index in range(start, stop)])
+            settled[key] = positions
+        out.extend([start + position for position in positions])
+    return out
 
 
 def _groups(points) -> list[tuple[int, int, tuple]]:
@@ -75,8 +70,10 @@ def _groups(points) -> list[tuple[int, int, tuple]]:
     return [(start, stop, interned.setdefault(features, features)) for start, stop, features in out]
 
 
-def dominated_positions(costs: LayerCosts, cands: list) -> tuple[int, ...]:
-    """Positions in ``cands`` (one group's candidates) that another of them dominates; of equals the first stays."""
+def surviving_positions(costs: LayerCosts, cands: list) -> tuple[int, ...]:
+    """Positions in ``cands`` (one group's candidates) that no other of them dominates; of equals the first stays.
+    Settled once per layer key and set of feature sets (:attr:`LayerCosts.dominance`), so searches that share unit
+    costs (pack's node counts) settle each once."""
     signatures = [costs.unit_signature(cand) for cand in cands]
     times = np.array([time for time, _ in signatures])
     tokens = [token for _, token in signatures]
@@ -87,4 +84,4 @@ def dominated_positions(costs: LayerCosts, cands: list) -> tuple[int, ...]:
     order = np.arange(count)
     later = order[None, :] > order[:, None]  # [i, j]: j comes after i
     dominated = same & no_slower & (order[None, :] != order[:, None]) & ~(equal & later)
-    return tuple(int(position) for position in np.flatnonzero(dominated.any(axis=1)))
+    return tuple(int(position) for position in np.flatnonzero(~dominated.any(axis=1)))

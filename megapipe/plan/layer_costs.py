@@ -34,7 +34,7 @@ class LayerCosts:
         self._uniform_specs: dict[int, tuple[StageSpec, ...]] = {}
         self._unit_costs = UnitCosts(model=model, cluster=cluster, shared=shared)
         self.dominance: dict[tuple, tuple[int, ...]] = shared.dominance if shared is not None and profile is None else {}
-        """Feature dominance by a group's sizes and feature sets (:func:`megapipe.plan.dominance.dominated_features`):
+        """Feature dominance by a group's sizes and feature sets (:func:`megapipe.plan.dominance.surviving_points`):
         it reads unit costs only, so searches that share them share it."""
 
     def profile(self, cand: Candidate, gpu: GpuSpec | None = None) -> Profile:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 
 from megapipe.cost.layers import bytes_features
 from megapipe.errors import ConfigError, InfeasibleError, MegapipeError, ScheduleError
-from megapipe.plan.dominance import dominated_features
+from megapipe.plan.dominance import surviving_points
 from megapipe.plan.evaluator import Evaluator, Prepared
 from megapipe.plan.unit_costs import SharedCosts
 from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
@@ -319,13 +319,15 @@ class _PointBounds:
 def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter
                ) -> tuple[list[tuple[float, int, Point]], _PointBounds]:
     """(cheap step bound, index, point) of every point no other point's runtime features dominate
-    (:func:`megapipe.plan.dominance.dominated_features`), best bound first, and the bounds the branch and bound asks
+    (:func:`megapipe.plan.dominance.surviving_points`), best bound first, and the bounds the branch and bound asks
     for the points it pops (:class:`_PointBounds`)."""
     bounds = _PointBounds(evaluator, space)
-    dominated = dominated_features(evaluator.costs, space)
-    if dominated:
-        pruned["features"] += len(dominated)
-    out = [(bounds.cheap(point), index, point) for index, point in enumerate(space.points) if index not in dominated]
+    survivors = surviving_points(evaluator.costs, space)
+    points = space.points
+    if len(survivors) < len(points):
+        pruned["features"] += len(points) - len(survivors)
+    cheap = bounds.cheap
+    out = [(cheap(points[index]), index, points[index]) for index in survivors]
     out.sort()  # by bound, then index (indices differ, so points are never compared)
     return out, bounds
 
