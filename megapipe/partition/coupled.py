@@ -33,7 +33,7 @@ from megapipe.partition.counts import Pins, count_search, first_ok, rank_stages,
 from megapipe.records import LayerCost, LayerKind, StageSpec
 
 __all__ = ["UniformShape", "uniform_shape", "rank_stages", "rank_peaks", "profile_rows", "uniform_split",
-           "uniform_fits", "uniform_may_fit", "uniform_rank_totals", "bottleneck_of"]
+           "uniform_fits", "uniform_may_fit", "uniform_rank_totals", "bottleneck_of", "Stack", "stacked_rows"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,7 +115,7 @@ def uniform_may_fit(*, shape: UniformShape, stages: Sequence[StageSpec], ranks: 
     low = uniform_pins(shape, len(ranks)).low
     if sum(low) > shape.num_decoders:
         return False
-    stack = _stack(profiles, ranks, len(stages))
+    stack = stacked_rows(profiles, ranks, len(stages))
     if stack is not None:
         found = _stacked_totals(shape, stages, stack, low)
         if found is not None:
@@ -132,16 +132,17 @@ def uniform_rank_totals(*, shape: UniformShape, stages: Sequence[StageSpec], ran
     """(fewest, largest) decoders each rank can hold in a split that fits its coupled memory, as arrays over ranks
     (the largest leaning high in rounding, as :func:`uniform_may_fit`'s); False when some rank cannot hold even its
     fewest; None when this closed form does not apply (ranks of unequally many stages, rows not along them)."""
-    stack = _stack(profiles, ranks, len(stages))
+    stack = stacked_rows(profiles, ranks, len(stages))
     if stack is None:
         return None
     return _stacked_totals(shape, stages, stack, uniform_pins(shape, len(ranks)).low)
 
 
 @dataclass(frozen=True, slots=True)
-class _Stack:
-    """One schedule's in-flight rows of every rank, stacked (what :func:`_stacked_totals` reads of them, the same for
-    every decoder and memory it is asked about)."""
+class Stack:
+    """One schedule's in-flight rows of every rank, stacked (what the closed forms of :func:`uniform_rank_totals` and
+    :func:`megapipe.partition.pinned.pinned_rank_totals` read of them, the same for every decoder and memory they
+    are asked about)."""
 
     owned: np.ndarray
     """[rank, position]: the layout stage at each of the rank's positions."""
@@ -157,14 +158,14 @@ class _Stack:
 
 
 _STACKS: dict = {}
-"""_Stack by (id of the profiles, stage-to-rank map, rank count), each beside the profiles object it was made of: the
+"""Stack by (id of the profiles, stage-to-rank map, rank count), each beside the profiles object it was made of: the
 search asks about one schedule's profiles (:func:`megapipe.schedules.rank_in_flight_profiles`, one object per
 schedule and sizes) for many decoders and memories."""
 
 
-def _stack(profiles, ranks: Sequence[int], num_ranks: int) -> _Stack | None:
-    """The stacked rows, or None when some rank's rows do not fall along its stages, ranks hold unequally many
-    stages, or some rank has no row."""
+def stacked_rows(profiles, ranks: Sequence[int], num_ranks: int) -> Stack | None:
+    """The stacked rows, or None when ranks hold unequally many stages, or some rank has no row or rows not one count
+    per stage it holds."""
     key = (id(profiles), tuple(ranks), num_ranks)
     found = _STACKS.get(key)
     if found is not None and found[0] is profiles:
@@ -181,7 +182,7 @@ def _stack(profiles, ranks: Sequence[int], num_ranks: int) -> _Stack | None:
         for stage in (0, len(ranks) - 1):  # the embedding's and the loss's layout stages
             rank, position = next((r, own.index(stage)) for r, own in enumerate(owned) if stage in own)
             ends.append((rank_of_row == rank, position))
-        stack = _Stack(owned=np.array(owned, dtype=np.int64), counts=counts, rank_of_row=rank_of_row,
+        stack = Stack(owned=np.array(owned, dtype=np.int64), counts=counts, rank_of_row=rank_of_row,
                        starts=np.concatenate([[0], np.cumsum(sizes)[:-1]]),
                        falling=bool((counts[:, :-1] >= counts[:, 1:]).all()), ends=tuple(ends))
     if len(_STACKS) >= 4096:
@@ -190,7 +191,7 @@ def _stack(profiles, ranks: Sequence[int], num_ranks: int) -> _Stack | None:
     return stack
 
 
-def _stacked_totals(shape: UniformShape, stages, stack: _Stack, low):
+def _stacked_totals(shape: UniformShape, stages, stack: Stack, low):
     """:func:`uniform_rank_totals` for ranks of equally many stages, on their stacked rows (None: some rank's rows
     do not fall along its stages). With every other stage at its fewest decoders, back-loading fills a rank's last
     stage until a row's room runs out (each rank's largest total, as :meth:`RankProblem.largest` finds it); a

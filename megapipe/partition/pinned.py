@@ -24,6 +24,7 @@ import numpy as np
 
 from megapipe.layout import mtp_problem
 from megapipe.partition.counts import Pins, boundaries, count_search, first_ok, rank_stages, stage_counts
+from megapipe.partition.coupled import Stack, stacked_rows
 from megapipe.records import LayerCost, LayerKind, StageSpec
 
 __all__ = ["PinnedShape", "pinned_shape", "pinned_split", "pinned_may_fit", "pinned_cases", "pinned_rank_totals"]
@@ -161,14 +162,16 @@ def pinned_may_fit(*, shape: PinnedShape, stages: Sequence[StageSpec], ranks: Se
     the ends whose ranks' largest totals, each back-loaded without a bound on the bottleneck, reach the decoder
     count. Exact when every rank's rows fall along its stages (every schedule's profiles do), rounding toward
     True; otherwise each memory row alone bounds a rank's total."""
-    owned = rank_stages(ranks, len(stages))
-    arrays = [np.asarray(profile, dtype=float).reshape(-1, len(own)) for profile, own in zip(profiles, owned)]
-    table = _case_table(shape, len(ranks))
-    if len({len(own) for own in owned}) == 1 and all(len(array) for array in arrays):
-        found = _stacked_capacity(shape, table, stages, owned, arrays)
+    stack = stacked_rows(profiles, ranks, len(stages))
+    if stack is not None:
+        found = _stacked_capacity(shape, stages, stack, len(ranks))
         if found is not None:
+            if found is False:
+                return False
             fits, _, largest = found
             return bool((fits & (largest.sum(axis=1) >= shape.num_decoders)).any())
+    owned = rank_stages(ranks, len(stages))
+    arrays = [np.asarray(profile, dtype=float).reshape(-1, len(own)) for profile, own in zip(profiles, owned)]
     capacity = _Capacity(shape, stages, owned, arrays)
     return any(capacity.reaches(pins) for pins, _ in pinned_cases(shape, len(ranks)))
 
@@ -181,20 +184,20 @@ def pinned_rank_totals(*, shape: PinnedShape, stages: Sequence[StageSpec], ranks
     ranks, the largest leaning high in rounding as :func:`pinned_may_fit`'s. Every split that fits is one of these
     placements with each rank's decoders between its fewest and its largest. None when this closed form does not
     apply (ranks of unequally many stages, rows not along them)."""
-    owned = rank_stages(ranks, len(stages))
-    arrays = [np.asarray(profile, dtype=float).reshape(-1, len(own)) for profile, own in zip(profiles, owned)]
-    if len({len(own) for own in owned}) != 1 or not all(len(array) for array in arrays):
+    stack = stacked_rows(profiles, ranks, len(stages))
+    if stack is None:
         return None
-    table = _case_table(shape, len(ranks))
-    found = _stacked_capacity(shape, table, stages, owned, arrays)
+    found = _stacked_capacity(shape, stages, stack, len(ranks))
     if found is None:
         return None
+    if found is False:
+        nothing = np.zeros((0, len(stack.starts)))
+        return nothing, nothing, nothing
     fits, fewest, largest = found
     keep = fits & _allowed_cases(shape, len(ranks), len(stages))
     ends = np.array([e.fwd_ms + e.bwd_ms for e in shape.head + shape.tail], dtype=float)
-    stage_ms = _case_layout(len(shape.head), len(shape.tail), len(ranks), shape.num_decoders).holds @ ends
-    pinned = stage_ms[:, np.asarray(owned)].sum(axis=2)  # placements x ranks
-    return pinned[keep], fewest[keep], largest[keep]
+    stage_ms = _case_layout(len(shape.head), len(shape.tail), len(ranks), shape.num_decoders).holds[keep] @ ends
+    return stage_ms[:, stack.owned].sum(axis=2), fewest[keep], largest[keep]
 
 
 @lru_cache(maxsize=256)
@@ -277,32 +280,30 @@ def _case_layout(head: int, tail: int, num_stages: int, num_decoders: int) -> _C
     return layout
 
 
-def _stacked_capacity(shape: PinnedShape, table: _CaseTable, stages, owned, arrays):
-    """For ranks of equally many stages, every placement and rank at once on their stacked rows: (whether the
-    placement's pinned entries and fewest decoders fit every rank, each rank's fewest and largest run decoders), over
-    placements and ranks; None when some rank's rows do not fall along its stages. Back-loading with every other
-    stage at its fewest fills the last stage that may take decoders until a row's room runs out; every placement is
-    unfit at once when even with nothing pinned the ranks cannot hold every decoder."""
+def _stacked_capacity(shape: PinnedShape, stages, stack: Stack, num_stages: int):
+    """For ranks of equally many stages, every placement of the ends (:func:`_case_table`) and rank at once on their
+    stacked rows: (whether the placement's pinned entries and fewest decoders fit every rank, each rank's fewest and
+    largest run decoders), over placements and ranks; None when some rank's rows do not fall along its stages, False
+    when even with nothing pinned the ranks cannot hold every decoder (no placement fits). Back-loading with every
+    other stage at its fewest fills the last stage that may take decoders until a row's room runs out."""
     decoder, n = shape.decoder, shape.num_decoders
-    cases, num_ranks = len(table.low), len(arrays)
-    none = (np.zeros(cases, dtype=bool), np.zeros((cases, num_ranks)), np.zeros((cases, num_ranks)))
-    if not cases:
-        return none
-    counts = np.concatenate(arrays)  # rows x chunks, each rank's rows in turn
+    starts = stack.starts
+    counts, rank_of_row = stack.counts, stack.rank_of_row
     weights = decoder.static_bytes + counts * decoder.act_bytes
-    if not (weights[:, :-1] >= weights[:, 1:]).all():
+    # rows whose counts fall have falling weights (act_bytes >= 0, and rounding keeps the order); others are checked
+    if not stack.falling and not (weights[:, :-1] >= weights[:, 1:]).all():
         return None
-    sizes = [len(array) for array in arrays]
-    rank_of_row = np.repeat(np.arange(len(arrays)), sizes)
     room = np.array([stage.memory_bytes for stage in stages], dtype=float)[rank_of_row]
     room = room + 2e-9 * np.maximum(1.0, np.abs(room))
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     # Every stage open, nothing pinned, none required: no placement holds more (back-loaded into the last chunk).
     last = weights[:, -1]
     most = np.minimum(np.where(last > 0, np.floor(room / np.where(last > 0, last, 1.0) + 1e-9), n), n)
     if np.minimum.reduceat(most, starts).sum() < n:
-        return none
-    stage_of = np.asarray(owned)[rank_of_row]  # rows x chunks: the layout stage of each column
+        return False
+    table = _case_table(shape, num_stages)
+    if not len(table.low):
+        return False
+    stage_of = stack.owned[rank_of_row]  # rows x chunks: the layout stage of each column
     low = table.low[:, stage_of]  # placements x rows x chunks
     held = (table.static[:, stage_of] + counts * table.act[:, stage_of] + weights * low).sum(axis=2)
     spare = room - held  # placements x rows
