@@ -22,7 +22,8 @@ __all__ = ["start", "draw", "finish", "stop"]
 
 _WARM = ("matplotlib.figure", "matplotlib.backends.backend_agg", "megapipe.report.canvas", "megapipe.report.gantt",
          "megapipe.report.plots")
-"""What the painter imports before its first picture."""
+"""What the painter imports before its first picture (then it draws a throwaway one,
+:func:`megapipe.report.canvas.warm_up`)."""
 
 _painter = None
 """(process, connection, pictures handed over and not yet finished) of this process's painter, or None."""
@@ -117,6 +118,10 @@ def _serve(connection) -> None:
     threading.Thread(target=_receive, args=(connection, jobs), daemon=True).start()
     for name in _WARM:
         importlib.import_module(name)
+    try:
+        importlib.import_module("megapipe.report.canvas").warm_up()
+    except Exception:  # a warm-up is only a head start: the first picture loads what it needs
+        pass
     while True:
         job = jobs.get()
         if job is None:

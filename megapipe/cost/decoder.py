@@ -26,7 +26,7 @@ from megapipe.cost.flops import attention_gemms, mlp_gemms
 from megapipe.cost.host import captured_scopes, exposed_host_ms, syncs_per_forward, unit_kernels
 from megapipe.cost.kernels import attention_ms, memory_ms
 from megapipe.cost.linear import gemm_time, linear_timing, memory_timing
-from megapipe.cost.moe import moe_timing
+from megapipe.cost.moe import MOE_PARTS_FEATURES, MoeParts, moe_parts, moe_timing
 from megapipe.cost.shapes import Shapes
 from megapipe.cost.timing import Device, Timing, part
 from megapipe.cost.traffic import (
@@ -148,7 +148,8 @@ def decoder_timing(shapes: Shapes, device: Device, *, moe: bool = False, fixed: 
     :func:`fixed_parts`, when the caller has them."""
     fixed = fixed or fixed_parts(fixed_shapes(shapes), device, moe)
     mlp = dict(fixed.mlp)
-    extra = moe_timing(shapes, device, attention=fixed.attention, mlp=mlp) if moe else Timing()
+    extra = moe_timing(shapes, device, attention=fixed.attention, mlp=mlp,
+                       parts=_moe_parts(shapes, device)) if moe else Timing()
     timing = fixed.timing + extra
     timing = timing + _host(shapes, device, timing, moe=moe)
     if shapes.recompute == Recompute.full:
@@ -158,6 +159,22 @@ def decoder_timing(shapes: Shapes, device: Device, *, moe: bool = False, fixed: 
         extra_ms = math.fsum(pieces.get(module, 0.0) for module in dict.fromkeys(shapes.features.recompute_modules))
         return timing + part("recompute", 0.0, extra_ms)
     return timing
+
+
+_MOE_PARTS: dict[tuple, MoeParts] = {}
+""":func:`~megapipe.cost.moe.moe_parts` by the shapes but their features, the features it reads and the device: a
+search's dozen feature sets of one size share a few (bounded: cleared when full)."""
+_moe_parts_features = operator.attrgetter(*MOE_PARTS_FEATURES)
+
+
+def _moe_parts(shapes: Shapes, device: Device) -> MoeParts:
+    key = (_key_values(shapes), _moe_parts_features(shapes.features), device)
+    found = _MOE_PARTS.get(key)
+    if found is None:
+        if len(_MOE_PARTS) >= _FIXED_CACHE:
+            _MOE_PARTS.clear()
+        found = _MOE_PARTS[key] = moe_parts(shapes, device)
+    return found
 
 
 def _pieces(shapes: Shapes, device: Device, *, fixed: FixedParts, mlp: dict[str, Timing], moe_extra: Timing,

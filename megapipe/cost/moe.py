@@ -44,6 +44,7 @@ __all__ = [
     "DISPATCHER_SMS",
     "MoeParts",
     "moe_parts",
+    "MOE_PARTS_FEATURES",
     "expected_reach",
     "dispatch_ms",
     "overlapped_ms",
@@ -203,6 +204,12 @@ def _router_kernels(shapes: Shapes) -> int:
     return FUSED_ROUTER_KERNELS if shapes.features.moe_router_fusion else ROUTER_KERNELS
 
 
+MOE_PARTS_FEATURES = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_router_fusion",
+                      "moe_permute_fusion", "moe_router_padding_for_quantization")
+"""The runtime features :func:`moe_parts` reads (tests/test_moe.py checks it reads no other): feature sets that agree
+on these share its parts."""
+
+
 def moe_parts(shapes: Shapes, device: Device) -> MoeParts:
     """The router's gating kernels, the counts' all-gather, permute and unpermute, dispatch and combine."""
     gpu = device.gpu
@@ -309,7 +316,8 @@ def _split(timings, prefix: str) -> tuple[float, float, float]:
             math.fsum(t.wgrad_ms for t in chosen))
 
 
-def moe_timing(shapes: Shapes, device: Device, *, attention: Timing, mlp: dict[str, Timing]) -> Timing:
+def moe_timing(shapes: Shapes, device: Device, *, attention: Timing, mlp: dict[str, Timing],
+               parts: MoeParts | None = None) -> Timing:
     """A MoE layer's router gating, token counts, permute and its exposed dispatch and combine.
 
     ``attention`` and ``mlp`` (by GEMM name, :func:`megapipe.cost.flops.mlp_gemms`) are the layer's timed
@@ -319,7 +327,7 @@ def moe_timing(shapes: Shapes, device: Device, *, attention: Timing, mlp: dict[s
     attention, its dispatch under the backward of the experts, the backward dispatch under the forward
     experts, and its combine under the backward attention (with ``delay_wgrad_compute`` the experts' weight
     gradients move from the second pair to the third)."""
-    parts = moe_parts(shapes, device)
+    parts = parts or moe_parts(shapes, device)
     comm = parts.comm
     features = shapes.features
     dispatch = comm.dispatch_ms + comm.tp_ms / 2
