@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import add
+from typing import NamedTuple
 
 from megapipe.records import TIME_PARTS, ClusterSpec, GpuSpec, LinkSpec, RuntimeSpec
 
@@ -14,9 +15,10 @@ __all__ = ["Timing", "part", "Device", "PART_INDEX"]
 PART_INDEX = {name: index for index, name in enumerate(TIME_PARTS)}
 
 
-@dataclass(frozen=True, slots=True)
-class Timing:
-    """Forward, backward and weight-gradient milliseconds, and the same split by part."""
+class Timing(NamedTuple):
+    """Forward, backward and weight-gradient milliseconds, and the same split by part. A named tuple, not a frozen
+    dataclass: the cost model adds a dozen per unit and a search costs thousands of units, and a tuple is made
+    without a Python ``__init__``. ``+`` adds timings (it never concatenates)."""
 
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
@@ -24,18 +26,20 @@ class Timing:
     parts: tuple[float, ...] = (0.0,) * len(TIME_PARTS)
 
     def __add__(self, other: "Timing") -> "Timing":
-        return Timing(self.fwd_ms + other.fwd_ms, self.bwd_ms + other.bwd_ms, self.wgrad_ms + other.wgrad_ms,
-                      tuple(map(add, self.parts, other.parts)))
+        return _make((self[0] + other[0], self[1] + other[1], self[2] + other[2], tuple(map(add, self[3], other[3]))))
 
     def share(self, name: str) -> float:
         """Forward + backward milliseconds of one part."""
         return self.parts[PART_INDEX[name]]
 
 
+_make = Timing._make
+
+
 def part(name: str, fwd_ms: float, bwd_ms: float = 0.0, wgrad_ms: float = 0.0) -> Timing:
     parts = [0.0] * len(TIME_PARTS)
     parts[PART_INDEX[name]] = fwd_ms + bwd_ms
-    return Timing(fwd_ms, bwd_ms, wgrad_ms, tuple(parts))
+    return _make((fwd_ms, bwd_ms, wgrad_ms, tuple(parts)))
 
 
 @dataclass(frozen=True, slots=True)
