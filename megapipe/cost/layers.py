@@ -59,7 +59,8 @@ from megapipe.records import (
     TrainSpec,
 )
 
-__all__ = ["layer_costs", "distinct_units", "unit_runs", "unit_times", "unit_bytes", "unit_cost", "unit_kind",
+__all__ = ["layer_costs", "distinct_units", "unit_runs", "unit_times", "unit_kinds", "UnitKinds", "unit_device",
+           "unit_bytes", "unit_cost", "unit_kind",
            "UnitBytes", "UnitSizes", "unit_sizes", "BYTES_FEATURES",
            "bytes_features"]
 
@@ -182,27 +183,52 @@ def unit_bytes(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec,
             for key, params, experts, act in sizes.units}
 
 
-def unit_times(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec,
-               train: TrainSpec) -> dict[str, Timing]:
-    """Each distinct unit's time (by unit key) on ``gpu``; it does not read the pipeline or data-parallel size."""
-    shapes = shapes_of(model=model, parallel=parallel, train=train)
+@dataclass(frozen=True, slots=True)
+class UnitKinds:
+    """Which distinct units a model's profile holds (:func:`unit_runs`' keys) and which decoders they cost."""
+
+    keys: frozenset[str]
+    decoders: tuple[bool, ...]
+    """The decoder layers to cost, MoE or not (an MTP block's decoder is the last decoder layer's kind)."""
+    last_moe: bool
+    """Whether the last decoder layer is a MoE layer."""
+
+
+@functools.lru_cache(maxsize=64)
+def unit_kinds(model: ModelSpec) -> UnitKinds:
+    keys = frozenset(key for key, _ in unit_runs(model))
+    last_moe = _last_moe(model)
+    return UnitKinds(keys=keys, last_moe=last_moe, decoders=tuple(
+        moe for key, moe in (("dense", False), ("moe", True)) if key in keys or ("mtp" in keys and moe == last_moe)))
+
+
+def unit_device(*, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec) -> Device:
+    """The device a candidate's units are costed on: the GPU, the runtime, and its tensor- and context-parallel
+    links."""
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
-    device = Device(
-        gpu=gpu, runtime=cluster.runtime, tp_comm_overlap=parallel.tp_comm_overlap and shapes.sequence_parallel,
-        link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=tp),
+    return Device(
+        gpu=gpu, runtime=cluster.runtime, tp_comm_overlap=parallel.tp_comm_overlap and parallel.sequence_parallel
+        and tp > 1, link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=tp),
         cp_link=p2p_link(cluster=cluster, span=tp * cp), cluster=cluster,
     )
-    keys = {key for key, _ in unit_runs(model)}
-    last_moe = _last_moe(model)
-    kinds = tuple(moe for key, moe in (("dense", False), ("moe", True))
-                  if key in keys or ("mtp" in keys and moe == last_moe))
-    decoders, (embedding, output, eh_proj) = _fixed_times(fixed_shapes(shapes), device, kinds)
+
+
+def unit_times(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, parallel: ParallelSpec,
+               train: TrainSpec, kinds: UnitKinds | None = None, device: Device | None = None) -> dict[str, Timing]:
+    """Each distinct unit's time (by unit key) on ``gpu``; it does not read the pipeline or data-parallel size.
+    ``kinds`` and ``device``: the model's :func:`unit_kinds` and the candidate's :func:`unit_device`, when a caller
+    that costs many candidates keeps them."""
+    shapes = shapes_of(model=model, parallel=parallel, train=train)
+    device = device or unit_device(gpu=gpu, cluster=cluster, parallel=parallel)
+    kinds = kinds or unit_kinds(model)
+    keys = kinds.keys
+    decoders, (embedding, output, eh_proj) = _fixed_times(fixed_shapes(shapes), device, kinds.decoders)
     out: dict[str, Timing] = {}
-    for moe, fixed in zip(kinds, decoders):
+    for moe, fixed in zip(kinds.decoders, decoders):
         out["moe" if moe else "dense"] = decoder_timing(shapes, device, moe=moe, fixed=fixed)
     if "mtp" in keys:
         # eh_proj GEMM, one decoder layer (with its recompute), the shared head and loss, and the input lookup
-        out["mtp"] = eh_proj + out["moe" if last_moe else "dense"] + output + embedding
+        out["mtp"] = eh_proj + out["moe" if kinds.last_moe else "dense"] + output + embedding
     out["embedding"], out["output"] = embedding, output
     return {key: out[key] for key in _UNIT_ORDER if key in keys}
 

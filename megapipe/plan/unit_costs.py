@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from itertools import chain, repeat
 
-from megapipe.cost.layers import (UnitBytes, UnitSizes, bytes_features, unit_bytes, unit_cost, unit_kind, unit_runs,
-                                  unit_sizes, unit_times)
-from megapipe.cost.timing import Timing
+from megapipe.cost.layers import (UnitBytes, UnitSizes, bytes_features, unit_bytes, unit_cost, unit_device, unit_kind,
+                                  unit_kinds, unit_runs, unit_sizes, unit_times)
+from megapipe.cost.timing import Device, Timing
 from megapipe.plan.plans import Candidate
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec, RuntimeFeatures
 
@@ -75,6 +75,10 @@ class UnitCosts:
         self._shaped: dict[tuple, UnitSizes] = shared.shaped
         self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = shared.priced
         self._bytes_keys: dict[RuntimeFeatures, RuntimeFeatures] = {}
+        self._kinds = unit_kinds(model)
+        self._devices: dict[tuple, Device] = {}
+        """:func:`~megapipe.cost.layers.unit_device` by what it reads: the GPU, TP, CP and tp_comm_overlap in
+        effect."""
 
     def runs(self, cand: Candidate, gpu: GpuSpec) -> tuple[tuple[LayerCost, ...], tuple[int, ...]]:
         """(units, repeat counts) in profile order: embedding, decoder, [mtp], output."""
@@ -111,8 +115,14 @@ class UnitCosts:
         key = cand.layer_key + (gpu.name,)
         found = self._timed.get(key)
         if found is None:
-            found = self._timed[key] = unit_times(model=self.model, gpu=gpu, cluster=self.cluster,
-                                                  parallel=cand.parallel, train=cand.train)
+            par = cand.parallel
+            tp = par.tensor_model_parallel_size
+            at = (gpu.name, tp, par.context_parallel_size, par.tp_comm_overlap and par.sequence_parallel and tp > 1)
+            device = self._devices.get(at)
+            if device is None:
+                device = self._devices[at] = unit_device(gpu=gpu, cluster=self.cluster, parallel=par)
+            found = self._timed[key] = unit_times(model=self.model, gpu=gpu, cluster=self.cluster, parallel=par,
+                                                  train=cand.train, kinds=self._kinds, device=device)
         return found
 
     def bytes_key(self, cand: Candidate) -> tuple:
