@@ -155,6 +155,8 @@ class Stack:
     """Every row's counts fall (or hold) from each of its stages to the next."""
     ends: tuple
     """(rows of the rank holding it, its position there) for the first and the last layout stage."""
+    last_peaks: tuple[float, ...]
+    """Each rank's largest count at its last position (over its rows)."""
 
 
 _STACKS: dict = {}
@@ -182,9 +184,10 @@ def stacked_rows(profiles, ranks: Sequence[int], num_ranks: int) -> Stack | None
         for stage in (0, len(ranks) - 1):  # the embedding's and the loss's layout stages
             rank, position = next((r, own.index(stage)) for r, own in enumerate(owned) if stage in own)
             ends.append((rank_of_row == rank, position))
-        stack = Stack(owned=np.array(owned, dtype=np.int64), counts=counts, rank_of_row=rank_of_row,
-                       starts=np.concatenate([[0], np.cumsum(sizes)[:-1]]),
-                       falling=bool((counts[:, :-1] >= counts[:, 1:]).all()), ends=tuple(ends))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        stack = Stack(owned=np.array(owned, dtype=np.int64), counts=counts, rank_of_row=rank_of_row, starts=starts,
+                      falling=bool((counts[:, :-1] >= counts[:, 1:]).all()), ends=tuple(ends),
+                      last_peaks=tuple(float(peak) for peak in np.maximum.reduceat(counts[:, -1], starts)))
     if len(_STACKS) >= 4096:
         _STACKS.clear()
     _STACKS[key] = (profiles, stack)

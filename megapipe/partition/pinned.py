@@ -16,6 +16,7 @@ Each choice is first tried just below the best so far, so most cost one feasibil
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -293,13 +294,17 @@ def _stacked_capacity(shape: PinnedShape, stages, stack: Stack, num_stages: int)
     # rows whose counts fall have falling weights (act_bytes >= 0, and rounding keeps the order); others are checked
     if not stack.falling and not (weights[:, :-1] >= weights[:, 1:]).all():
         return None
+    # Every stage open, nothing pinned, none required: no placement holds more (back-loaded into the last chunk); a
+    # rank's row of the most in flight there leaves it the fewest (room / weight falls as the weight grows).
+    most = 0.0
+    for stage, peak in zip(stages, stack.last_peaks):
+        heaviest = decoder.static_bytes + peak * decoder.act_bytes
+        cap = float(stage.memory_bytes)
+        most += min(math.floor((cap + 2e-9 * max(1.0, abs(cap))) / heaviest + 1e-9), n) if heaviest > 0 else n
+    if most < n:
+        return False
     room = np.array([stage.memory_bytes for stage in stages], dtype=float)[rank_of_row]
     room = room + 2e-9 * np.maximum(1.0, np.abs(room))
-    # Every stage open, nothing pinned, none required: no placement holds more (back-loaded into the last chunk).
-    last = weights[:, -1]
-    most = np.minimum(np.where(last > 0, np.floor(room / np.where(last > 0, last, 1.0) + 1e-9), n), n)
-    if np.minimum.reduceat(most, starts).sum() < n:
-        return False
     table = _case_table(shape, num_stages)
     if not len(table.low):
         return False
