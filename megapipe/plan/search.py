@@ -176,7 +176,7 @@ class _Bounded:
         model, cluster, train, options = inputs["model"], inputs["cluster"], inputs["train"], self.options
         fixed = inputs["fixed"] if depth is None else {**inputs["fixed"], "pipeline_model_parallel_size": depth}
         bounded = self.bounded if depth is None else [item for item in self.bounded
-                                                      if item[2].pipeline_model_parallel_size == depth]
+                                                      if item[2][0][1].pipeline_model_parallel_size == depth]
         pruned = Counter(self.pruned)
         plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, self.bounds, pruned, progress)
         if not plans and depth is None:
@@ -204,7 +204,7 @@ class _Bounded:
             template, use_distributed_optimizer=inputs.get("use_distributed_optimizer", True)))
         points = space.points if depth is None else [point for point in space.points
                                                      if point.pipeline_model_parallel_size == depth]
-        stats = SearchStats(enumerated=space.enumerated, evaluated=len(bounded), partitioned=work["partitioned"],
+        stats = SearchStats(enumerated=space.enumerated, evaluated=_points(bounded), partitioned=work["partitioned"],
                             simulated=work["simulated"], pruned=tuple(sorted(pruned.items())),
                             seconds=time.perf_counter() - started,
                             virtual_sizes=tuple(sorted({point.virtual_pipeline_model_parallel_size
@@ -317,19 +317,38 @@ class _PointBounds:
 
 
 def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter
-               ) -> tuple[list[tuple[float, int, Point]], _PointBounds]:
-    """(cheap step bound, index, point) of every point no other point's runtime features dominate
-    (:func:`megapipe.plan.dominance.surviving_points`), best bound first, and the bounds the branch and bound asks
-    for the points it pops (:class:`_PointBounds`)."""
+               ) -> tuple[list[tuple[float, int, tuple[tuple[int, Point], ...]]], _PointBounds]:
+    """(cheap step bound, first index, members) of every family of points no other point's runtime features
+    dominate (:func:`megapipe.plan.dominance.surviving_points`), best bound first, and the bounds the branch and bound
+    asks for the points it pops (:class:`_PointBounds`).
+
+    A family is the points that differ only in their VP, as (index, point) pairs in index order: VP enters neither
+    the cheap bound, the memory test nor the full closed-form bound (:class:`_PointBounds`' keys leave it out), so a
+    family goes through those three as one entry and splits into its points only where they differ (the memory
+    floor and the partition); the points then meet the branch and bound's cutoffs under the same keys as one by
+    one."""
     bounds = _PointBounds(evaluator, space)
     survivors = surviving_points(evaluator.costs, space)
     points = space.points
     if len(survivors) < len(points):
         pruned["features"] += len(points) - len(survivors)
+    families: dict[tuple, list[tuple[int, Point]]] = {}
+    for index in survivors:
+        point = points[index]
+        families.setdefault(_family(point) + (id(point.features),), []).append((index, point))
     cheap = bounds.cheap
-    out = [(cheap(points[index]), index, points[index]) for index in survivors]
-    out.sort()  # by bound, then index (indices differ, so points are never compared)
+    out = [(cheap(members[0][1]), members[0][0], tuple(members)) for members in families.values()]
+    out.sort()  # by bound, then first index (indices differ, so members are never compared)
     return out, bounds
+
+
+_family = operator.itemgetter(0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12)
+"""A point's fields but its VP and features (:class:`megapipe.plan.space.Point`)."""
+
+
+def _points(bounded) -> int:
+    """How many points the entries of :func:`_bound_all` hold."""
+    return sum(len(members) for _, _, members in bounded)
 
 
 def _min_time_scale(evaluator: Evaluator) -> float:
@@ -343,8 +362,9 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
     """Best first over lower bounds that sharpen: a candidate's cheap pipeline bound, its closed-form bound, its
     memory floor, its partition's floor, then its schedule's relaxed step (:meth:`Evaluator.relaxed_floor_ms`).
 
-    A point popped under its cheap bound is dropped if it cannot fit memory, else pushed back under its full
-    closed-form bound; popped again, under its memory floor where memory forces an uneven split
+    A family of points that differ only in VP (:func:`_bound_all`) popped under its cheap bound is dropped if it
+    cannot fit memory, else pushed back under its full closed-form bound; popped again, its points go on one by one,
+    each under its memory floor where memory forces an uneven split
     (:meth:`~megapipe.plan.candidate_bounds.CandidateBounds.memory_floor_ms`). A popped candidate is then
     partitioned and pushed back under max(bound, floor); popped again, each placement still below the cutoff gets
     the relaxed floor and the candidate goes back under it; popped a third time, it is simulated. Once the
@@ -353,7 +373,8 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
     """
     options = evaluator.options
     keep_all = options.bubble_target is not None
-    heap = [(bound_ms, index, point, _UNCHECKED) for bound_ms, index, point in bounded]  # sorted, so a heap
+    heap = [(bound_ms, index, members, _UNCHECKED) for bound_ms, index, members in bounded]  # sorted, so a heap
+    total = _points(bounded)
     plans: list[Plan] = []
     feasible_steps: list[float] = []
     work: Counter = Counter()
@@ -363,16 +384,24 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
         key, index, point, placed = heap[0]
         cutoff = None if keep_all or len(feasible_steps) < options.top_k else feasible_steps[options.top_k - 1]
         if cutoff is not None and key >= cutoff:
-            pruned["bound"] += len(heap)
+            pruned["bound"] += sum(len(entry[2]) if entry[3] is _UNCHECKED or entry[3] is _BOUNDED else 1
+                                   for entry in heap)
             break
         heapq.heappop(heap)
-        if placed is _UNCHECKED:  # only its cheap bound so far: the memory test, then the full bound
-            if not bounds.fits(point):
-                pruned["memory"] += 1
+        if placed is _UNCHECKED:  # a family under its cheap bound only: the memory test, then the full bound
+            first = point[0][1]
+            if not bounds.fits(first):
+                pruned["memory"] += len(point)
                 continue
-            heapq.heappush(heap, (max(key, bounds.step(point)), index, point, _BOUNDED))
+            heapq.heappush(heap, (max(key, bounds.step(first)), index, point, _BOUNDED))
             continue
-        if placed is _BOUNDED:  # where memory forces an uneven split, its floor before partitioning
+        if placed is _BOUNDED:
+            if len(point) > 1:  # the family's points part here: each goes on under its own index
+                for member in point:
+                    heapq.heappush(heap, (key, member[0], (member,), _BOUNDED))
+                continue
+            point = point[0][1]
+            # where memory forces an uneven split, its floor before partitioning
             floor = evaluator.bounds.memory_floor_ms(space.candidate(point))
             if floor is not None and floor > key:
                 if floor == float("inf"):
@@ -383,7 +412,7 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
             placed = None
         if placed is None:
             if progress is not None:
-                progress(done, len(bounded))
+                progress(done, total)
             done += 1
             placed = [_Placed(item) for item in _prepare_placements(evaluator, space.candidate(point), pruned, work)]
             if placed and not keep_all:
