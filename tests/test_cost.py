@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
 
@@ -377,3 +378,76 @@ def test_parameters_and_activation_bytes_match_megatron_core_on_cpu():
                                                       gpt_style=False))
         gap = by_kind[LayerKind.decoder].act_bytes - no_dropout
         assert gap == 0 if recompute == Recompute.full else 0 <= gap <= 64 * 64 + 2 * 2 * 128 * 4
+
+
+_FEATURE_VALUES = {
+    "moe_token_dispatcher_type": ("allgather", "flex"),
+    "moe_flex_dispatcher_backend": ("hybridep",),
+    "overlap_moe_expert_parallel_comm": (True,),
+    "delay_wgrad_compute": (True,),
+    "moe_shared_expert_overlap": (True,),
+    "moe_permute_fusion": (True,),
+    "moe_router_fusion": (True,),
+    "cuda_graph_impl": ("local", "transformer_engine"),
+    "cuda_graph_scope": (("attn", "moe_router", "moe_preprocess"), ("full_iteration",), ("moe",)),
+    "recompute_modules": (("moe", "core_attn"), ("moe_act", "mla_up_proj", "mlp")),
+    "moe_router_force_load_balancing": (True,),
+    "moe_router_padding_for_quantization": (True,),
+    "fine_grained_activation_offloading": (True,),
+    "offload_modules": (("expert_fc1", "moe_act"),),
+}
+"""Other values of every runtime feature, for the tests that a cost part reads only the features it names."""
+
+
+def _reads_only(function, named: tuple[str, ...], shapes, starts) -> None:
+    """``function(shapes)`` is unchanged by any change of a feature outside ``named`` (from each feature set of
+    ``starts``), the sizes kept; every feature is named or changed."""
+    from megapipe.records import RuntimeFeatures
+
+    assert {field.name for field in dataclasses.fields(RuntimeFeatures)} == set(_FEATURE_VALUES)
+    for start in starts:
+        mine = replace(shapes, features=start)
+        expected = function(mine)
+        for name, values in _FEATURE_VALUES.items():
+            if name in named:
+                continue
+            for value in values:
+                other = replace(mine, features=replace(start, **{name: value}))
+                assert function(other) == expected, (name, value)
+
+
+def _deepseek_shapes(recompute: str):
+    from megapipe.cost.comm import p2p_link, tensor_parallel_link
+    from megapipe.cost.shapes import shapes_of
+    from megapipe.cost.timing import Device
+
+    scenario = to_scenario(compose(["model=deepseek_v3", "cluster.num_nodes=32", "train.global_batch_size=1024",
+                                    "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=8",
+                                    "parallel.expert_model_parallel_size=16", "parallel.expert_tensor_parallel_size=2",
+                                    "train.precision=fp8", f"train.recompute_granularity={recompute}"]))
+    cluster = scenario.cluster
+    device = Device(gpu=cluster.gpu, runtime=cluster.runtime, tp_comm_overlap=False, cluster=cluster,
+                    link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=2),
+                    cp_link=p2p_link(cluster=cluster, span=2))
+    return shapes_of(model=scenario.model, parallel=scenario.parallel, train=scenario.train), device
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_cost_parts_read_only_the_features_they_name(recompute):
+    """The search shares a MoE layer's router, permute and dispatch parts (:data:`MOE_PARTS_FEATURES`) and a dense
+    layer's time (:data:`DENSE_FEATURES`) between feature sets that agree on the features named: changing any other
+    feature, the sizes kept, changes neither."""
+    from megapipe.cost.decoder import DENSE_FEATURES, _decoder_timing
+    from megapipe.cost.moe import MOE_PARTS_FEATURES, moe_parts
+
+    shapes, device = _deepseek_shapes(recompute)
+    base = shapes.features
+    starts = [replace(base, moe_token_dispatcher_type=dispatcher, moe_flex_dispatcher_backend=backend,
+                      moe_permute_fusion=fused, moe_router_fusion=fused, moe_router_padding_for_quantization=fused,
+                      cuda_graph_impl="transformer_engine" if fused else "none",
+                      cuda_graph_scope=("attn",) if fused else ())
+              for dispatcher, backend in (("alltoall", "deepep"), ("allgather", "deepep"), ("flex", "deepep"),
+                                          ("flex", "hybridep")) for fused in (False, True)]
+    _reads_only(lambda shapes: moe_parts(shapes, device), MOE_PARTS_FEATURES, shapes, starts)
+    _reads_only(lambda shapes: _decoder_timing(shapes, device, moe=False, fixed=None), DENSE_FEATURES, shapes,
+                starts)

@@ -212,55 +212,6 @@ def test_all_to_all_is_cheaper_inside_the_nvlink_domain():
     assert all_to_all_ms(num_bytes=num_bytes, group_size=1, cluster=cluster) == 0.0
 
 
-_OTHER_FEATURES = {
-    "overlap_moe_expert_parallel_comm": (True,),
-    "delay_wgrad_compute": (True,),
-    "moe_shared_expert_overlap": (True,),
-    "cuda_graph_impl": ("local", "transformer_engine"),
-    "cuda_graph_scope": (("attn", "moe_router", "moe_preprocess"), ("full_iteration",), ("moe",)),
-    "recompute_modules": (("moe", "core_attn"), ("moe_act", "mla_up_proj")),
-    "moe_router_force_load_balancing": (True,),
-    "fine_grained_activation_offloading": (True,),
-    "offload_modules": (("expert_fc1", "moe_act"),),
-}
-"""Other values of every runtime feature :func:`megapipe.cost.moe.moe_parts` does not read."""
-
-
-@pytest.mark.parametrize("dispatcher", [("alltoall", "deepep"), ("allgather", "deepep"), ("flex", "deepep"),
-                                        ("flex", "hybridep")])
-def test_moe_parts_read_only_the_features_they_name(dispatcher):
-    """The search shares a MoE layer's router, permute and dispatch parts between feature sets that agree on
-    MOE_PARTS_FEATURES: changing any other feature (with the sizes kept) leaves them equal, and every feature is
-    either named or checked here."""
-    from megapipe.cost.comm import p2p_link, tensor_parallel_link
-    from megapipe.cost.moe import MOE_PARTS_FEATURES, moe_parts
-    from megapipe.cost.shapes import shapes_of
-    from megapipe.cost.timing import Device
-    from megapipe.records import RuntimeFeatures
-
-    assert set(MOE_PARTS_FEATURES) | set(_OTHER_FEATURES) == {field.name for field in
-                                                              dataclasses.fields(RuntimeFeatures)}
-    scenario = _scenario("model=deepseek_v3", "cluster.num_nodes=32", "train.global_batch_size=1024",
-                         "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=8",
-                         "parallel.expert_model_parallel_size=16", "parallel.expert_tensor_parallel_size=2",
-                         "train.precision=fp8")
-    cluster, train = scenario.cluster, scenario.train
-    device = Device(gpu=cluster.gpu, runtime=cluster.runtime, tp_comm_overlap=False, cluster=cluster,
-                    link=tensor_parallel_link(cluster=cluster, tensor_model_parallel_size=2),
-                    cp_link=p2p_link(cluster=cluster, span=2))
-    for fused in (False, True):
-        base = dataclasses.replace(scenario.parallel.features, moe_token_dispatcher_type=dispatcher[0],
-                                   moe_flex_dispatcher_backend=dispatcher[1], moe_permute_fusion=fused,
-                                   moe_router_fusion=fused, moe_router_padding_for_quantization=fused)
-        shapes = shapes_of(model=scenario.model, parallel=dataclasses.replace(scenario.parallel, features=base),
-                           train=train)
-        expected = moe_parts(shapes, device)
-        for name, values in _OTHER_FEATURES.items():
-            for value in values:
-                other = dataclasses.replace(shapes, features=dataclasses.replace(base, **{name: value}))
-                assert moe_parts(other, device) == expected, (name, value)
-
-
 def test_search_enumerates_expert_parallel_with_sequence_parallel_forced():
     from megapipe.plan.space import enumerate_candidates
 

@@ -39,8 +39,8 @@ from megapipe.cost.traffic import (
 )
 from megapipe.records import Recompute, RuntimeFeatures
 
-__all__ = ["FixedParts", "decoder_timing", "decoder_parts", "fixed_parts", "fixed_shapes", "shapes_of_key",
-           "timing_sum"]
+__all__ = ["FixedParts", "decoder_timing", "DENSE_FEATURES", "decoder_parts", "fixed_parts", "fixed_shapes",
+           "shapes_of_key", "timing_sum"]
 
 _FIXED_CACHE = 4096
 """Decoder shapes whose fixed parts stay cached (a search meets a few hundred)."""
@@ -143,9 +143,30 @@ def decoder_parts(shapes: Shapes, device: Device, moe: bool) -> FixedParts:
                       mlp=tuple(mlp.items()), timing=timing)
 
 
+DENSE_FEATURES = ("cuda_graph_impl", "cuda_graph_scope", "recompute_modules")
+"""The runtime features a dense decoder layer's time reads besides FP8's routing-map padding (tests/test_cost.py
+checks it reads no other): a MoE model's dense layers are timed once per these, not once per feature set."""
+_dense_features = operator.attrgetter(*DENSE_FEATURES)
+_DENSE: dict[tuple, Timing] = {}
+"""Dense decoder layers' times by their :func:`fixed_shapes`, recompute setting, :data:`DENSE_FEATURES` and device
+(bounded: cleared when full)."""
+
+
 def decoder_timing(shapes: Shapes, device: Device, *, moe: bool = False, fixed: FixedParts | None = None) -> Timing:
     """One decoder layer's forward, backward and weight-gradient time, by part; ``fixed``: its
     :func:`fixed_parts`, when the caller has them."""
+    if moe:
+        return _decoder_timing(shapes, device, moe=True, fixed=fixed)
+    key = (fixed_shapes(shapes), shapes.recompute, _dense_features(shapes.features), device)
+    found = _DENSE.get(key)
+    if found is None:
+        if len(_DENSE) >= _FIXED_CACHE:
+            _DENSE.clear()
+        found = _DENSE[key] = _decoder_timing(shapes, device, moe=False, fixed=fixed)
+    return found
+
+
+def _decoder_timing(shapes: Shapes, device: Device, *, moe: bool, fixed: FixedParts | None) -> Timing:
     fixed = fixed or fixed_parts(fixed_shapes(shapes), device, moe)
     mlp = dict(fixed.mlp)
     extra = moe_timing(shapes, device, attention=fixed.attention, mlp=mlp,

@@ -206,7 +206,7 @@ def _router_kernels(shapes: Shapes) -> int:
 
 MOE_PARTS_FEATURES = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_router_fusion",
                       "moe_permute_fusion", "moe_router_padding_for_quantization")
-"""The runtime features :func:`moe_parts` reads (tests/test_moe.py checks it reads no other): feature sets that agree
+"""The runtime features :func:`moe_parts` reads (tests/test_cost.py checks it reads no other): feature sets that agree
 on these share its parts."""
 
 
