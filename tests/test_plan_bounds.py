@@ -106,21 +106,39 @@ def test_pipeline_floor_never_exceeds_the_simulation(name, pp, m_factor, data):
 
 
 def test_bound_layers_hold_the_profiles_numbers():
-    """The one-layer unit costs, repeated, equal the full cost-model profile entry by entry (names aside)."""
+    """The one-layer unit costs, repeated, and the evaluator's profiles (both built from the shared unit costs)
+    equal the cost model's own profile of each candidate (:func:`megapipe.cost.layer_costs`), entry by entry: a
+    dense model with MTP, and a MoE model's feature sets."""
+    from megapipe import cost
+    from megapipe.config import compose, to_scenario
+    from megapipe.config.options import search_options
+
     cluster = _cluster(80.0)
     options = SearchOptions(micro_batch_sizes=(1, 2), max_virtual_pipeline_model_parallel_size=2)
     model = dataclasses.replace(MODEL, mtp_num_layers=1)
-    space = enumerate_candidates(model=model, cluster=cluster, train=TRAIN, options=options)
-    seen = set()
-    for cand in space.candidates:
-        key = cand.layer_key + (cand.parallel.data_parallel_size,)
-        if key in seen:
-            continue
-        seen.add(key)
-        units = Evaluator(model=model, cluster=cluster, options=options).costs.bound_layers(cand)
-        full = Evaluator(model=model, cluster=cluster, options=options).costs.profile(cand).layers
-        assert [dataclasses.replace(u, name="") for u in units] == [dataclasses.replace(f, name="") for f in full]
-    assert len(seen) > 20
+    cases = [(model, cluster, options, enumerate_candidates(model=model, cluster=cluster, train=TRAIN,
+                                                            options=options).candidates)]
+    cfg = compose(["model=deepseek_v3", "cluster.num_nodes=32", "train.global_batch_size=1024"])
+    scenario = to_scenario(cfg, search=True)
+    moe_options = search_options(cfg)
+    space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
+                                 fixed=scenario.fixed, options=moe_options)
+    cases.append((scenario.model, scenario.cluster, moe_options,
+                  [space.candidate(point) for point in space.points[::max(1, len(space.points) // 150)]]))
+    for model, cluster, options, cands in cases:
+        evaluator, seen = Evaluator(model=model, cluster=cluster, options=options), set()
+        for cand in cands:
+            key = cand.layer_key + (cand.parallel.data_parallel_size,)
+            if key in seen:
+                continue
+            seen.add(key)
+            expected = cost.layer_costs(model=model, gpu=cluster.gpu, cluster=cluster, parallel=cand.parallel,
+                                        train=cand.train)
+            units = Evaluator(model=model, cluster=cluster, options=options).costs.bound_layers(cand)
+            assert evaluator.costs.profile(cand) == expected
+            assert [dataclasses.replace(u, name="") for u in units] == [dataclasses.replace(f, name="")
+                                                                        for f in expected.layers]
+        assert len(seen) > 20
 
 
 def test_bound_classes_share_bounds():

@@ -60,7 +60,7 @@ from megapipe.records import (
 )
 
 __all__ = ["layer_costs", "distinct_units", "unit_runs", "unit_times", "unit_kinds", "UnitKinds", "unit_device",
-           "unit_bytes", "unit_cost", "unit_kind",
+           "unit_bytes", "profile_of_units", "unit_cost", "unit_kind",
            "UnitBytes", "UnitSizes", "unit_sizes", "BYTES_FEATURES",
            "bytes_features"]
 
@@ -293,6 +293,13 @@ def layer_costs(*, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec, paralle
     Megatron rejects.
     """
     units = distinct_units(model=model, gpu=gpu, cluster=cluster, parallel=parallel, train=train)
+    return profile_of_units(units, model=model, gpu=gpu, cluster=cluster, parallel=parallel, train=train)
+
+
+def profile_of_units(units: dict[str, LayerCost], *, model: ModelSpec, gpu: GpuSpec, cluster: ClusterSpec,
+                     parallel: ParallelSpec, train: TrainSpec) -> Profile:
+    """The profile :func:`layer_costs` gives, from the candidate's :func:`distinct_units` (by unit key) already
+    costed: each unit repeated as :func:`unit_runs` has it, named by its place."""
     layers: list[LayerCost] = []
     decoders = 0
     for key, count in unit_runs(model):

@@ -10,6 +10,7 @@ candidate's layer key (TP, SP, CP, micro-batch, recompute, sequence), DP and the
 from __future__ import annotations
 
 from megapipe import cost
+from megapipe.cost.layers import profile_of_units, unit_runs
 from megapipe.placement import modelled_stage_specs
 from megapipe.plan.plans import Candidate
 from megapipe.plan.unit_costs import SharedCosts, UnitCosts
@@ -33,6 +34,7 @@ class LayerCosts:
         self._flops: dict[int, float] = {}
         self._uniform_specs: dict[int, tuple[StageSpec, ...]] = {}
         self._unit_costs = UnitCosts(model=model, cluster=cluster, shared=shared)
+        self._unit_keys = tuple(key for key, _ in unit_runs(model))
         self.dominance: dict[tuple, tuple[int, ...]] = shared.dominance if shared is not None and profile is None else {}
         """Feature dominance by a group's sizes and feature sets (:func:`megapipe.plan.dominance.surviving_points`):
         it reads unit costs only, so searches that share them share it."""
@@ -44,9 +46,10 @@ class LayerCosts:
         gpu = gpu or self.cluster.gpu
         key = cand.layer_key + (cand.parallel.data_parallel_size, gpu.name)
         found = self._profiles.get(key)
-        if found is None:
-            found = cost.layer_costs(model=self.model, gpu=gpu, cluster=self.cluster, parallel=cand.parallel,
-                                     train=cand.train)
+        if found is None:  # from the units the bounds already costed (the same numbers: tests/test_plan_bounds.py)
+            units, _ = self._unit_costs.runs(cand, gpu)
+            found = profile_of_units(dict(zip(self._unit_keys, units)), model=self.model, gpu=gpu,
+                                     cluster=self.cluster, parallel=cand.parallel, train=cand.train)
             self._profiles[key] = found
         return found
 
