@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from megapipe.cost import model_flops_per_token
 from megapipe.cost.params import parameter_count
 from megapipe.errors import MegapipeError
+from megapipe.features import SEARCHED, feature_variants
 from megapipe.plan.plans import Plan, SearchResult
 from megapipe.options import SearchOptions
 from megapipe.plan.search import search, search_by_depth
@@ -106,12 +107,20 @@ class CurveCache:
         split = 1 < workers and len(batches) < 2 * workers
         parts = [part for batch in batches.values()
                  for part in (_halves(tuple(batch.items())) if split else (tuple(batch.items()),))]
-        # the heaviest first, so the pool ends together: the most searches, then the largest model
-        ordered = sorted(parts, key=lambda part: (len(part), parameter_count(part[0][1][0].model)), reverse=True)
+        # the heaviest first, so the pool ends together: the most searches times the feature sets each tries (a MoE
+        # model's searches try a dozen), then the largest model
+        ordered = sorted(parts, key=lambda part: (len(part) * _feature_sets(part[0][1][0]),
+                                                  parameter_count(part[0][1][0].model)), reverse=True)
         for found in mapper(_search_batch, [(self.cluster, self.options, part) for part in ordered]):
             for results in found:
                 self.searches += 1
                 self.found.update(results)
+
+
+def _feature_sets(job: JobSpec) -> int:
+    """How many runtime feature sets the job's searches try (:func:`megapipe.features.feature_variants`)."""
+    free = frozenset(SEARCHED) - set(dict(job.fixed))
+    return len(feature_variants(job.template.features, model=job.model, free=free))
 
 
 def _halves(items: tuple) -> tuple[tuple, ...]:
