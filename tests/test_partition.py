@@ -599,3 +599,23 @@ def test_rank_problem_back_loading_is_exact_and_keeps_the_general_counts():
         if feasible and len(high) <= 6:
             for total in range(sum(low), max(feasible) + 1):
                 assert fast.counts(high, total) == general.counts(high, total)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.lists(st.integers(0, 50), min_size=1, max_size=12),
+       st.lists(st.integers(1, 8), min_size=1, max_size=6))
+def test_memory_reach_without_a_limit_reaches_the_end(static, act, in_flight):
+    """With no memory limit every stage may run to the last entry: the shortcut for infinite caps gives what the
+    search over sums gives for a cap above every sum."""
+    import numpy as np
+
+    from megapipe.partition.memory import memory_reach
+
+    size = min(len(static), len(act))
+    static_prefix = np.concatenate([[0.0], np.cumsum(static[:size], dtype=float)])
+    act_prefix = np.concatenate([[0.0], np.cumsum(act[:size], dtype=float)])
+    free = memory_reach(static_prefix=static_prefix, act_prefix=act_prefix, in_flight=in_flight,
+                        caps=[math.inf] * len(in_flight))
+    above = memory_reach(static_prefix=static_prefix, act_prefix=act_prefix, in_flight=in_flight,
+                         caps=[float(static_prefix[-1] + max(in_flight) * act_prefix[-1] + 1)] * len(in_flight))
+    assert free.dtype == above.dtype and (free == above).all() and (free == size).all()

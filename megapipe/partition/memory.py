@@ -8,6 +8,8 @@ which are exact when byte counts are integers below 2**53.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -87,6 +89,8 @@ def memory_reach(
     boundary is then settled on the canonical sum, which the offset's rounding can miss.
     """
     num_entries = len(static_prefix) - 1
+    if all(cap == math.inf for cap in caps):  # no memory limit: every stop fits (the split without memory asks this)
+        return np.full((len(caps), num_entries + 1), num_entries, dtype=np.intp)
     counts = np.asarray(in_flight, dtype=float)[:, None]
     cap_column = np.asarray(caps, dtype=float)[:, None]
     total = counts * act_prefix[None, -1:]
