@@ -117,8 +117,10 @@ and activation offloading keep; FP8's routing-map padding; forced balancing sets
 other feature changes only times. tests/test_cost.py holds the memory model to it."""
 
 
+@functools.lru_cache(maxsize=256)
 def bytes_features(features: RuntimeFeatures) -> RuntimeFeatures:
-    """``features`` as a unit's bytes see them: :data:`BYTES_FEATURES` kept, the others at their defaults."""
+    """``features`` as a unit's bytes see them: :data:`BYTES_FEATURES` kept, the others at their defaults (cached: a
+    search asks for a dozen feature sets' thousands of times)."""
     return RuntimeFeatures(**{name: getattr(features, name) for name in BYTES_FEATURES})
 
 

@@ -177,5 +177,5 @@ def unit_static_bytes(*, kind: LayerKind, params: float, shapes: Shapes, paralle
     expert = bytes_per_parameter(precision=train.precision, parallel=parallel, expert=True, train=train) \
         if expert_params else 0.0
     copies = fp8_weight_copy_bytes(train) if fp8_copies_persist(parallel) else 0.0
-    fp8 = fp8_weights(shapes, kind, moe=expert_params > 0) * copies
+    fp8 = fp8_weights(shapes, kind, moe=expert_params > 0) * copies if copies else 0.0
     return (params - expert_params) * dense + expert_params * expert + fp8

@@ -21,7 +21,7 @@ from megapipe.cost.layers import (UnitBytes, UnitSizes, bytes_features, unit_byt
                                   unit_kinds, unit_runs, unit_sizes, unit_times)
 from megapipe.cost.timing import Device, Timing
 from megapipe.plan.plans import Candidate
-from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec, RuntimeFeatures
+from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec
 
 __all__ = ["SharedCosts", "UnitCosts", "repeated_sum"]
 
@@ -74,7 +74,6 @@ class UnitCosts:
         self._sized: dict[tuple, dict[str, UnitBytes]] = shared.sized
         self._shaped: dict[tuple, UnitSizes] = shared.shaped
         self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = shared.priced
-        self._bytes_keys: dict[RuntimeFeatures, RuntimeFeatures] = {}
         self._kinds = unit_kinds(model)
         self._devices: dict[tuple, Device] = {}
         """:func:`~megapipe.cost.layers.unit_device` by what it reads: the GPU, TP, CP and tp_comm_overlap in
@@ -129,12 +128,9 @@ class UnitCosts:
         """The layer key with its features as the units' bytes read them: candidates of one bytes key and DP size
         hold the same bytes in every unit (and have the same parameters)."""
         features = cand.parallel.features
-        found = self._bytes_keys.get(features)
-        if found is None:
-            found = self._bytes_keys[features] = bytes_features(features)
         key = cand.layer_key
         at = key.index(features)
-        return key[:at] + (found,) + key[at + 1:]
+        return key[:at] + (bytes_features(features),) + key[at + 1:]
 
     def _sizes(self, cand: Candidate) -> dict[str, UnitBytes]:
         par = cand.parallel
