@@ -225,11 +225,13 @@ class Evaluator:
             experts[rank] += sum(layer.expert_param_count for layer in chunk)
             fwd[rank] += times.fwd_ms[stage]
             bwd[rank] += times.bwd_ms[stage]
-        sync = max(dp_sync_ms(params_per_gpu=params[r], train=train, cluster=self.cluster, parallel=par,
-                              backward_ms=bwd[r], forward_ms=fwd[r], expert_params_per_gpu=experts[r])
-                   for r in range(pp))
-        optimizer = max(optimizer_step_ms(params_per_gpu=params[r], gpu=gpus[r], parallel=par,
-                                          expert_params_per_gpu=experts[r]) for r in range(pp))
+        # ranks of equal loads (most of them, with identical decoders) have equal terms: each is priced once
+        sync = max(dp_sync_ms(params_per_gpu=rank_params, train=train, cluster=self.cluster, parallel=par,
+                              backward_ms=rank_bwd, forward_ms=rank_fwd, expert_params_per_gpu=rank_experts)
+                   for rank_params, rank_experts, rank_bwd, rank_fwd in dict.fromkeys(zip(params, experts, bwd, fwd)))
+        optimizer = max(optimizer_step_ms(params_per_gpu=rank_params, gpu=gpu, parallel=par,
+                                          expert_params_per_gpu=rank_experts)
+                        for rank_params, rank_experts, gpu in dict.fromkeys(zip(params, experts, gpus)))
         return _RankSums(static_bytes=tuple(static), fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), sync_ms=sync,
                          optimizer_ms=optimizer)
 
