@@ -9,6 +9,7 @@ With ``pipeline_model_parallel_size`` fixed the curve is the fixed-depth baselin
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -107,20 +108,22 @@ class CurveCache:
         split = 1 < workers and len(batches) < 2 * workers
         parts = [part for batch in batches.values()
                  for part in (_halves(tuple(batch.items())) if split else (tuple(batch.items()),))]
-        # the heaviest first, so the pool ends together: the most searches times the feature sets each tries (a MoE
-        # model's searches try a dozen), then the largest model
-        ordered = sorted(parts, key=lambda part: (len(part) * _feature_sets(part[0][1][0]),
-                                                  parameter_count(part[0][1][0].model)), reverse=True)
+        # the heaviest first, so the pool ends together (:func:`_weight`)
+        ordered = sorted(parts, key=lambda part: _weight(part[0][1][0]) * len(part), reverse=True)
         for found in mapper(_search_batch, [(self.cluster, self.options, part) for part in ordered]):
             for results in found:
                 self.searches += 1
                 self.found.update(results)
 
 
-def _feature_sets(job: JobSpec) -> int:
-    """How many runtime feature sets the job's searches try (:func:`megapipe.features.feature_variants`)."""
+def _weight(job: JobSpec) -> float:
+    """A rough cost of one of the job's searches, to hand the heaviest batches out first (the answer does not depend
+    on it): the square root of the model's parameters (a larger model has more pipeline sizes and wider layers, not
+    proportionally more candidates), doubled where its searches try several runtime feature sets (a MoE model's
+    dozen: their batches took 1.5-2.4x a 70B shape's in the default and the 50-job packings)."""
     free = frozenset(SEARCHED) - set(dict(job.fixed))
-    return len(feature_variants(job.template.features, model=job.model, free=free))
+    several = len(feature_variants(job.template.features, model=job.model, free=free)) > 1
+    return math.sqrt(parameter_count(job.model)) * (2.0 if several else 1.0)
 
 
 def _halves(items: tuple) -> tuple[tuple, ...]:
