@@ -20,6 +20,7 @@ __all__ = [
     "RECOMPUTE_MODULES",
     "OFFLOAD_MODULES",
     "feature_problem",
+    "problem_sizes",
     "device_max_connections",
     "SEARCHED",
     "GRAPHED_SCOPES",
@@ -210,6 +211,15 @@ def _padding_and_bias_problem(features: RuntimeFeatures, model: ModelSpec, train
         return ("delay_wgrad_compute with an attn CUDA graph needs linear layers without biases (megatron-core "
                 "0.17+); drop attn from cuda_graph_scope or turn delay_wgrad_compute off")
     return None
+
+
+def problem_sizes(*, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                  virtual_pipeline_model_parallel_size: int, expert_model_parallel_size: int) -> tuple[bool, ...]:
+    """What :func:`feature_problem` reads of the parallel sizes: whether PP > 1, VP >= 2, EP >= 2 and TP x EP >= 2.
+    Sizes that agree on these get the same verdict for every feature set (tests/test_features.py), so a search
+    decides each feature set once per such tuple."""
+    return (pipeline_model_parallel_size > 1, virtual_pipeline_model_parallel_size >= 2,
+            expert_model_parallel_size >= 2, tensor_model_parallel_size * expert_model_parallel_size >= 2)
 
 
 def feature_problem(features: RuntimeFeatures, *, model: ModelSpec, parallel: ParallelSpec | None,

@@ -285,3 +285,31 @@ def test_offload_modules_reach_the_features_and_the_emitted_config():
     assert features.fine_grained_activation_offloading and features.offload_modules == ("expert_fc1", "moe_act")
     settings = feature_config(scenario.model, scenario.parallel, scenario.train)
     assert settings["offload_modules"] == ["expert_fc1", "moe_act"]
+
+
+def test_feature_verdicts_read_only_the_problem_sizes():
+    """feature_problem refuses or accepts every searched feature set alike at all parallel sizes that agree on
+    problem_sizes (what the search decides once per), with and without MTP, at each recompute setting."""
+    import itertools
+
+    from megapipe.features import problem_sizes
+
+    for name in ("deepseek_v3", "qwen3_30b_a3b"):
+        model = _scenario(f"model={name}").model
+        template = dataclasses.replace(RuntimeFeatures(), moe_permute_fusion=True, moe_router_fusion=True)
+        variants = feature_variants(template, model=model, free=frozenset(("moe_token_dispatcher_type",
+                                                                          "overlap_moe_expert_parallel_comm",
+                                                                          "cuda_graph_scope")))
+        assert len(variants) > 6
+        verdicts: dict[tuple, tuple] = {}
+        for tp, pp, vp, ep, recompute in itertools.product((1, 2, 8), (1, 2, 3, 16), (1, 2, 3, 7), (1, 2, 8, 64),
+                                                           tuple(Recompute)):
+            parallel = ParallelSpec(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                    virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep)
+            train = TrainSpec(recompute_granularity=recompute)
+            verdict = tuple(feature_problem(features, model=model, parallel=parallel, train=train) is None
+                            for features in variants)
+            key = problem_sizes(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep) + (recompute,)
+            assert verdicts.setdefault(key, verdict) == verdict, (name, tp, pp, vp, ep, recompute)
+        assert len(set(verdicts.values())) > 3

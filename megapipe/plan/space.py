@@ -35,7 +35,7 @@ from megapipe.errors import ConfigError
 from megapipe.layout import max_stages
 from megapipe.plan.plans import Candidate
 from megapipe.options import SearchOptions
-from megapipe.features import SEARCHED, feature_problem, feature_variants
+from megapipe.features import SEARCHED, feature_problem, feature_variants, problem_sizes
 from megapipe.records import (
     SEARCH_DIMENSIONS,
     ClusterSpec,
@@ -296,7 +296,9 @@ def _accepted(variants: tuple[RuntimeFeatures, ...], model: ModelSpec, point: tu
     searched. ``memo`` holds the answers of one enumeration by the fields read."""
     if len(variants) == 1:
         return variants
-    key = (point[2], point[4], ep, point[6])  # PP, VP, EP, recompute (Point's order)
+    # what the verdict reads: the sizes as feature_problem reads them (at TP 1, as _refusal asks), and recompute
+    key = problem_sizes(tensor_model_parallel_size=1, pipeline_model_parallel_size=point[2],
+                        virtual_pipeline_model_parallel_size=point[4], expert_model_parallel_size=ep) + (point[6],)
     found = memo.get(key)
     if found is None:
         refused = _refusal(model, point, ep, train)
