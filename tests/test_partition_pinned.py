@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from megapipe.layout import mtp_problem
 from megapipe.partition import StageSpec
+from megapipe.partition.coupled import uniform_rank_totals, uniform_shape
 from megapipe.partition.memory import stage_ranks
 from megapipe.partition.pinned import pinned_cases, pinned_may_fit, pinned_rank_totals, pinned_shape, pinned_split
 from megapipe.records import LayerCost, LayerKind
@@ -192,6 +193,30 @@ def test_pinned_rank_totals_bound_the_busiest_rank(layers, sizes, num_microbatch
         assert level is None
     else:
         assert level is not None and level <= best * (1 + 1e-9)
+    uniform = uniform_shape(layers)
+    if uniform is None or len(ranks) == pp:
+        return
+    # identical decoders between the embedding and the loss: the uniform closed form bounds it the same way
+    totals = uniform_rank_totals(shape=uniform, stages=stages, ranks=ranks, profiles=profiles)
+    assert totals is not None
+    if best is None:
+        assert totals is False or _capped_level(*_pinned_ends(uniform, ranks, pp), *totals,
+                                                uniform.num_decoders) is None
+        return
+    assert totals is not False
+    assert _capped_level(*_pinned_ends(uniform, ranks, pp), *totals, uniform.num_decoders) <= best * (1 + 1e-9)
+
+
+def _pinned_ends(shape, ranks, pp):
+    """(each rank's embedding and loss F + B, a decoder's F + B) of a uniform profile, as the planner's floor pins
+    them."""
+    import numpy as np
+
+    pinned = np.zeros(pp)
+    for entry, rank in ((shape.head, ranks[0]), (shape.tail, ranks[-1])):
+        if entry is not None:
+            pinned[rank] += entry.fwd_ms + entry.bwd_ms
+    return pinned, shape.decoder.fwd_ms + shape.decoder.bwd_ms
 
 
 def test_pinned_cases_place_the_ends_every_way_once():

@@ -33,7 +33,8 @@ from megapipe.partition.counts import Pins, count_search, first_ok, rank_stages,
 from megapipe.records import LayerCost, LayerKind, StageSpec
 
 __all__ = ["UniformShape", "uniform_shape", "rank_stages", "rank_peaks", "profile_rows", "uniform_split",
-           "uniform_fits", "uniform_may_fit", "uniform_rank_totals", "bottleneck_of", "Stack", "stacked_rows"]
+           "uniform_fits", "uniform_may_fit", "uniform_rank_totals", "bottleneck_of", "Stack", "stacked_rows",
+           "most_held"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -194,13 +195,30 @@ def stacked_rows(profiles, ranks: Sequence[int], num_ranks: int) -> Stack | None
     return stack
 
 
+def most_held(stack: Stack, decoder: LayerCost, stages, top: int, *, slack: float = 1e-9) -> float:
+    """The most identical decoders (of ``decoder``'s bytes) the ranks hold together with every stage open, nothing
+    pinned and none required: each rank back-loads its last position, whose row of the most in flight there leaves
+    it the fewest (room / weight falls as the weight grows; rows' weights fall along their stages). No split holds
+    more; ``slack`` leans each rank's floor up."""
+    most = 0.0
+    for stage, peak in zip(stages, stack.last_peaks):
+        heaviest = decoder.static_bytes + peak * decoder.act_bytes
+        cap = float(stage.memory_bytes)
+        most += min(math.floor((cap + 2e-9 * max(1.0, abs(cap))) / heaviest + slack), top) if heaviest > 0 else top
+    return most
+
+
 def _stacked_totals(shape: UniformShape, stages, stack: Stack, low):
     """:func:`uniform_rank_totals` for ranks of equally many stages, on their stacked rows (None: some rank's rows
     do not fall along its stages). With every other stage at its fewest decoders, back-loading fills a rank's last
     stage until a row's room runs out (each rank's largest total, as :meth:`RankProblem.largest` finds it); a
-    rank whose last stage takes every decoder settles it at once."""
+    rank whose last stage takes every decoder settles it at once. False when no split fits: some rank cannot hold
+    even its fewest, or the ranks cannot hold every decoder even with nothing pinned (:func:`most_held`, leaning
+    high, asked first)."""
     decoder, top = shape.decoder, shape.num_decoders
     counts, rank_of_row = stack.counts, stack.rank_of_row
+    if stack.falling and most_held(stack, decoder, stages, top, slack=1e-6) < top:
+        return False
     weights = decoder.static_bytes + counts * decoder.act_bytes
     # rows whose counts fall have falling weights (act_bytes >= 0, and rounding keeps the order); others are checked
     if not stack.falling and not (weights[:, :-1] >= weights[:, 1:]).all():

@@ -16,7 +16,6 @@ Each choice is first tried just below the best so far, so most cost one feasibil
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,7 +24,7 @@ import numpy as np
 
 from megapipe.layout import mtp_problem
 from megapipe.partition.counts import Pins, boundaries, count_search, first_ok, rank_stages, stage_counts
-from megapipe.partition.coupled import Stack, stacked_rows
+from megapipe.partition.coupled import Stack, most_held, stacked_rows
 from megapipe.records import LayerCost, LayerKind, StageSpec
 
 __all__ = ["PinnedShape", "pinned_shape", "pinned_split", "pinned_may_fit", "pinned_cases", "pinned_rank_totals"]
@@ -294,14 +293,7 @@ def _stacked_capacity(shape: PinnedShape, stages, stack: Stack, num_stages: int)
     # rows whose counts fall have falling weights (act_bytes >= 0, and rounding keeps the order); others are checked
     if not stack.falling and not (weights[:, :-1] >= weights[:, 1:]).all():
         return None
-    # Every stage open, nothing pinned, none required: no placement holds more (back-loaded into the last chunk); a
-    # rank's row of the most in flight there leaves it the fewest (room / weight falls as the weight grows).
-    most = 0.0
-    for stage, peak in zip(stages, stack.last_peaks):
-        heaviest = decoder.static_bytes + peak * decoder.act_bytes
-        cap = float(stage.memory_bytes)
-        most += min(math.floor((cap + 2e-9 * max(1.0, abs(cap))) / heaviest + 1e-9), n) if heaviest > 0 else n
-    if most < n:
+    if most_held(stack, decoder, stages, n) < n:  # no placement holds more than every stage open, nothing pinned
         return False
     room = np.array([stage.memory_bytes for stage in stages], dtype=float)[rank_of_row]
     room = room + 2e-9 * np.maximum(1.0, np.abs(room))
