@@ -120,7 +120,7 @@ def _weight(job: JobSpec) -> float:
     """A rough cost of one of the job's searches, to hand the heaviest batches out first (the answer does not depend
     on it): the square root of the model's parameters (a larger model has more pipeline sizes and wider layers, not
     proportionally more candidates), doubled where its searches try several runtime feature sets (a MoE model's
-    dozen: their batches took 1.5-2.4x a 70B shape's in the default and the 50-job packings)."""
+    dozen, each costed and compared)."""
     free = frozenset(SEARCHED) - set(dict(job.fixed))
     several = len(feature_variants(job.template.features, model=job.model, free=free)) > 1
     return math.sqrt(parameter_count(job.model)) * (2.0 if several else 1.0)
