@@ -196,27 +196,28 @@ def test_pinned_rank_totals_bound_the_busiest_rank(layers, sizes, num_microbatch
     uniform = uniform_shape(layers)
     if uniform is None or len(ranks) == pp:
         return
-    # identical decoders between the embedding and the loss: the uniform closed form bounds it the same way
+    # decoders of equal bytes between the embedding and the loss: the uniform closed form bounds it the same way
     totals = uniform_rank_totals(shape=uniform, stages=stages, ranks=ranks, profiles=profiles)
     assert totals is not None
     if best is None:
-        assert totals is False or _capped_level(*_pinned_ends(uniform, ranks, pp), *totals,
+        assert totals is False or _capped_level(*_pinned_ends(uniform, layers, ranks, pp), *totals,
                                                 uniform.num_decoders) is None
         return
     assert totals is not False
-    assert _capped_level(*_pinned_ends(uniform, ranks, pp), *totals, uniform.num_decoders) <= best * (1 + 1e-9)
+    assert _capped_level(*_pinned_ends(uniform, layers, ranks, pp), *totals,
+                         uniform.num_decoders) <= best * (1 + 1e-9)
 
 
-def _pinned_ends(shape, ranks, pp):
-    """(each rank's embedding and loss F + B, a decoder's F + B) of a uniform profile, as the planner's floor pins
-    them."""
+def _pinned_ends(shape, layers, ranks, pp):
+    """(each rank's embedding and loss F + B, the lightest decoder's F + B) of a profile of decoders of equal bytes,
+    as the planner's floor pins and prices them (its decoders may differ in time)."""
     import numpy as np
 
     pinned = np.zeros(pp)
     for entry, rank in ((shape.head, ranks[0]), (shape.tail, ranks[-1])):
         if entry is not None:
             pinned[rank] += entry.fwd_ms + entry.bwd_ms
-    return pinned, shape.decoder.fwd_ms + shape.decoder.bwd_ms
+    return pinned, min(e.fwd_ms + e.bwd_ms for e in layers if e.kind == LayerKind.decoder)
 
 
 def test_pinned_cases_place_the_ends_every_way_once():
