@@ -76,9 +76,10 @@ def surviving_positions(costs: LayerCosts, cands: list) -> tuple[int, ...]:
     costs (pack's node counts) settle each once."""
     signatures = [costs.unit_signature(cand) for cand in cands]
     times = np.array([time for time, _ in signatures])
-    tokens = [token for _, token in signatures]
+    interned: dict = {}
+    tokens = np.array([interned.setdefault(token, len(interned)) for _, token in signatures])  # equal tokens, one id
     count = len(cands)
-    same = np.array([[mine == theirs for theirs in tokens] for mine in tokens])
+    same = tokens[:, None] == tokens[None, :]
     no_slower = (times[None, :, :] <= times[:, None, :]).all(axis=2)  # [i, j]: j no slower than i anywhere
     equal = (times[None, :, :] == times[:, None, :]).all(axis=2)
     order = np.arange(count)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from megapipe.records import (PARALLEL_MEMORY_FIELDS, TRAIN_MEMORY_FIELDS, ParallelSpec, Partition, RuntimeFeatures,
                               TrainSpec)
 
-__all__ = ["Candidate", "StageUsage", "Plan", "SearchStats", "SearchResult",
+__all__ = ["Candidate", "LAYER_KEY_FEATURES", "StageUsage", "Plan", "SearchStats", "SearchResult",
            "features_dict"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,10 +44,14 @@ class Candidate:
             par.tp_comm_overlap,
             par.expert_model_parallel_size,
             par.expert_tensor_parallel_size,
-            par.features,
+            par.features,  # at LAYER_KEY_FEATURES
             train.moe_load_imbalance,
             _memory_settings(par, train),
         ))
+
+
+LAYER_KEY_FEATURES = 12
+"""The position of the runtime features in :attr:`Candidate.layer_key`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

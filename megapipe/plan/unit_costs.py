@@ -20,7 +20,7 @@ from itertools import chain, repeat
 from megapipe.cost.layers import (UnitBytes, UnitSizes, bytes_features, unit_bytes, unit_cost, unit_device, unit_kind,
                                   unit_kinds, unit_runs, unit_sizes, unit_times)
 from megapipe.cost.timing import Device, Timing
-from megapipe.plan.plans import Candidate
+from megapipe.plan.plans import LAYER_KEY_FEATURES, Candidate
 from megapipe.records import ClusterSpec, GpuSpec, LayerCost, LayerKind, ModelSpec
 
 __all__ = ["SharedCosts", "UnitCosts", "repeated_sum"]
@@ -127,10 +127,8 @@ class UnitCosts:
     def bytes_key(self, cand: Candidate) -> tuple:
         """The layer key with its features as the units' bytes read them: candidates of one bytes key and DP size
         hold the same bytes in every unit (and have the same parameters)."""
-        features = cand.parallel.features
         key = cand.layer_key
-        at = key.index(features)
-        return key[:at] + (bytes_features(features),) + key[at + 1:]
+        return key[:LAYER_KEY_FEATURES] + (bytes_features(cand.parallel.features),) + key[LAYER_KEY_FEATURES + 1:]
 
     def _sizes(self, cand: Candidate) -> dict[str, UnitBytes]:
         par = cand.parallel
