@@ -56,23 +56,26 @@ def _stages(layers, pp: int, fraction: float, slow: bool = False) -> list[StageS
     return [StageSpec(memory_bytes=cap, time_scale=1.5 if slow and rank == 1 else 1.0) for rank in range(pp)]
 
 
-def _brute(layers, stages, schedule, num_microbatches, vp, *, mtp_rules=True):
-    """The least bottleneck over every split that fits (and that megatron-core takes, with ``mtp_rules``)."""
+def _fitting_splits(layers, stages, schedule, num_microbatches, vp, *, mtp_rules=True):
+    """(chunks, built schedule) of every split that fits (and that megatron-core takes, with ``mtp_rules``)."""
     pp = len(stages)
     built = build(schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
                   virtual_pipeline_model_parallel_size=vp)
-    best = None
     for cuts in itertools.combinations(range(1, len(layers)), pp * vp - 1):
         bounds = (0, *cuts, len(layers))
         chunks = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
         if mtp_rules and mtp_problem([[e.kind for e in chunk] for chunk in chunks], pipeline_model_parallel_size=pp):
             continue
-        if not _fits(chunks, stages, built):
-            continue
-        worst = max(stages[built.stage_to_rank[c]].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in chunk)
+        if _fits(chunks, stages, built):
+            yield chunks, built
+
+
+def _brute(layers, stages, schedule, num_microbatches, vp, *, mtp_rules=True):
+    """The least bottleneck over every split that fits (and that megatron-core takes, with ``mtp_rules``)."""
+    return min((max(stages[built.stage_to_rank[c]].time_scale * math.fsum(e.fwd_ms + e.bwd_ms for e in chunk)
                     for c, chunk in enumerate(chunks))
-        best = worst if best is None or worst < best else best
-    return best
+                for chunks, built in _fitting_splits(layers, stages, schedule, num_microbatches, vp,
+                                                     mtp_rules=mtp_rules)), default=None)
 
 
 @st.composite
@@ -142,22 +145,14 @@ def test_pinned_split_and_may_fit_against_brute_force(layers, sizes, num_microba
 
 def _brute_busiest(layers, stages, schedule, num_microbatches, vp):
     """The least busiest rank's F + B (all its stages together) over every split that fits and megatron-core takes."""
-    pp = len(stages)
-    built = build(schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
-                  virtual_pipeline_model_parallel_size=vp)
-    best = None
-    for cuts in itertools.combinations(range(1, len(layers)), pp * vp - 1):
-        bounds = (0, *cuts, len(layers))
-        chunks = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
-        if mtp_problem([[e.kind for e in chunk] for chunk in chunks], pipeline_model_parallel_size=pp):
-            continue
-        if not _fits(chunks, stages, built):
-            continue
-        work = [0.0] * pp
+    def busiest(chunks, built) -> float:
+        work = [0.0] * len(stages)
         for c, chunk in enumerate(chunks):
             work[built.stage_to_rank[c]] += math.fsum(e.fwd_ms + e.bwd_ms for e in chunk)
-        best = max(work) if best is None or max(work) < best else best
-    return best
+        return max(work)
+
+    return min((busiest(*split) for split in _fitting_splits(layers, stages, schedule, num_microbatches, vp)),
+               default=None)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
