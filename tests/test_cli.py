@@ -271,3 +271,25 @@ def test_without_a_painter_pictures_are_drawn_at_finish_in_order_and_a_failure_i
     painter.stop()  # a failed run's pictures are dropped, never drawn by a later command
     painter.finish()
     assert target.read_text() == "ab"
+
+
+_CLUSTER_MAP = """
+import sys
+from megapipe.report import canvas
+from megapipe.report.cluster_map import cluster_map, node_owners
+if sys.argv[2] == "warm":
+    canvas.warm_up()
+owners = node_owners([16, 8], [("a", 0, 6), ("b", 0, 10), ("c", 1, 5)], failed=[0, 2])
+cluster_map([("packed", owners)], ["h100", "a100"], sys.argv[1])
+"""
+
+
+def test_the_painters_warm_up_changes_no_picture(tmp_path):
+    """A fresh process that draws a throwaway picture first (the painter's warm-up) writes the same bytes as one that
+    does not."""
+    written = []
+    for mode in ("cold", "warm"):
+        path = tmp_path / f"{mode}.png"
+        subprocess.run([sys.executable, "-c", _CLUSTER_MAP, str(path), mode], check=True)
+        written.append(path.read_bytes())
+    assert written[0] == written[1] and written[0].startswith(b"\x89PNG")

@@ -157,12 +157,17 @@ def decoder_timing(shapes: Shapes, device: Device, *, moe: bool = False, fixed: 
     :func:`fixed_parts`, when the caller has them."""
     if moe:
         return _decoder_timing(shapes, device, moe=True, fixed=fixed)
-    key = (fixed_shapes(shapes), shapes.recompute, _dense_features(shapes.features), device)
-    found = _DENSE.get(key)
+    return _remembered(_DENSE, (fixed_shapes(shapes), shapes.recompute, _dense_features(shapes.features), device),
+                       lambda: _decoder_timing(shapes, device, moe=False, fixed=fixed))
+
+
+def _remembered(cache: dict, key: tuple, make):
+    """``cache[key]``, made by ``make()`` the first time (the cache is cleared when it holds :data:`_FIXED_CACHE`)."""
+    found = cache.get(key)
     if found is None:
-        if len(_DENSE) >= _FIXED_CACHE:
-            _DENSE.clear()
-        found = _DENSE[key] = _decoder_timing(shapes, device, moe=False, fixed=fixed)
+        if len(cache) >= _FIXED_CACHE:
+            cache.clear()
+        found = cache[key] = make()
     return found
 
 
@@ -189,13 +194,8 @@ _moe_parts_features = operator.attrgetter(*MOE_PARTS_FEATURES)
 
 
 def _moe_parts(shapes: Shapes, device: Device) -> MoeParts:
-    key = (_key_values(shapes), _moe_parts_features(shapes.features), device)
-    found = _MOE_PARTS.get(key)
-    if found is None:
-        if len(_MOE_PARTS) >= _FIXED_CACHE:
-            _MOE_PARTS.clear()
-        found = _MOE_PARTS[key] = moe_parts(shapes, device)
-    return found
+    return _remembered(_MOE_PARTS, (_key_values(shapes), _moe_parts_features(shapes.features), device),
+                       lambda: moe_parts(shapes, device))
 
 
 def _pieces(shapes: Shapes, device: Device, *, fixed: FixedParts, mlp: dict[str, Timing], moe_extra: Timing,

@@ -156,8 +156,8 @@ def unit_sizes(*, model: ModelSpec, parallel: ParallelSpec, train: TrainSpec) ->
     save whether the last stage holds the output weight (PP > 1)."""
     parallel = _bytes_parallel(parallel)
     shapes = shapes_of(model=model, parallel=parallel, train=train)
-    keys = {key for key, _ in unit_runs(model)}
-    last_moe = _last_moe(model)
+    kinds = unit_kinds(model)
+    keys, last_moe = kinds.keys, kinds.last_moe
     out = []
     for key, moe in (("dense", False), ("moe", True)):
         if key in keys:

@@ -14,20 +14,15 @@ feature sets, for every pipeline and data-parallel size at once.
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
 from megapipe.plan.layer_costs import LayerCosts
-from megapipe.plan.space import Space
+from megapipe.plan.space import LAYER_SIZES, Space
 
 __all__ = ["surviving_points"]
 
 _SIZES = slice(0, 13)
 """A point's fields but its features (:class:`megapipe.plan.space.Point`): its group."""
-
-_LAYER_SIZES = operator.itemgetter(0, 1, 5, 6, 7, 11, 12)
-"""The sizes a unit's costs read (TP, CP, micro-batch, recompute, SP, EP, ETP)."""
 
 
 def surviving_points(costs: LayerCosts, space: Space) -> list[int]:
@@ -41,7 +36,7 @@ def surviving_points(costs: LayerCosts, space: Space) -> list[int]:
             out.append(start)
             continue
         # the layer key's sizes and the members' feature sets (runs of equal sets share one tuple)
-        sizes = _LAYER_SIZES(points[start])
+        sizes = LAYER_SIZES(points[start])
         key = sizes + (id(features),)
         positions = settled.get(key)
         if positions is None:

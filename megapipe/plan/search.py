@@ -48,7 +48,7 @@ from megapipe.placement import datasheet_time_scale, gpus_by_name, placements
 from megapipe.plan.rank import rank_plans, score
 from megapipe.plan.plans import Candidate, Plan, SearchResult, SearchStats
 from megapipe.options import Reference, SearchOptions
-from megapipe.plan.space import Point, Space, divisors, enumerate_candidates
+from megapipe.plan.space import LAYER_SIZES, Point, Space, divisors, enumerate_candidates
 from megapipe.records import Profile
 from megapipe.records import ClusterSpec, ModelSpec, ParallelSpec, Recompute, TrainSpec
 from megapipe.schedules import SPECS, ScheduleName
@@ -282,7 +282,7 @@ class _PointBounds:
             if point.per_stage_recompute:
                 found = self.evaluator.bounds.pipeline_bound(self.space.candidate(point), min_time_scale=self.min_scale)
             else:  # one record per layer key (the sizes unit costs read), not one per point
-                layer_key = point[:2] + point[5:8] + point[11:13] + (id(point.features),)
+                layer_key = LAYER_SIZES(point) + (id(point.features),)
                 layer = self._layers.get(layer_key)
                 if layer is None:
                     layer = self._layers[layer_key] = self.space.candidate(point)

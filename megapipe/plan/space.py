@@ -26,6 +26,7 @@ pruned by closed forms first. Memory pruning needs layer costs and lives in
 from __future__ import annotations
 
 from collections import Counter
+import operator
 from collections.abc import Iterator, Mapping
 import dataclasses
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from megapipe.records import (
 )
 from megapipe.schedules import MEGATRON_SCHEDULES, SCHEDULE_NAMES, ScheduleName, spec
 
-__all__ = ["DIMENSIONS", "Point", "Space", "divisors", "enumerate_candidates", "pinned_problem"]
+__all__ = ["DIMENSIONS", "Point", "LAYER_SIZES", "Space", "divisors", "enumerate_candidates", "pinned_problem"]
 
 DIMENSIONS = SEARCH_DIMENSIONS
 """The searched dimensions; data_parallel_size is what is left of the GPUs."""
@@ -74,6 +75,11 @@ class Point(NamedTuple):
     """0 for dense models (Megatron's default, TP)."""
     features: RuntimeFeatures = RuntimeFeatures()
     """The runtime features (dispatcher, overlap, CUDA graphs) of this point."""
+
+
+LAYER_SIZES = operator.itemgetter(0, 1, 5, 6, 7, 11, 12)
+"""A point's sizes that its units' costs read (TP, CP, micro-batch, recompute, SP, EP, ETP): with the features, its
+layer key."""
 
 
 def divisors(number: int) -> tuple[int, ...]:

@@ -76,8 +76,8 @@ class UnitCosts:
         self._priced: dict[tuple, tuple[tuple[LayerCost, ...], tuple[int, ...]]] = shared.priced
         self._kinds = unit_kinds(model)
         self._devices: dict[tuple, Device] = {}
-        """:func:`~megapipe.cost.layers.unit_device` by what it reads: the GPU, TP, CP and tp_comm_overlap in
-        effect."""
+        """:func:`~megapipe.cost.layers.unit_device` by the fields it reads: the GPU, TP, CP, tp_comm_overlap and
+        sequence parallelism."""
 
     def runs(self, cand: Candidate, gpu: GpuSpec) -> tuple[tuple[LayerCost, ...], tuple[int, ...]]:
         """(units, repeat counts) in profile order: embedding, decoder, [mtp], output."""
@@ -115,8 +115,8 @@ class UnitCosts:
         found = self._timed.get(key)
         if found is None:
             par = cand.parallel
-            tp = par.tensor_model_parallel_size
-            at = (gpu.name, tp, par.context_parallel_size, par.tp_comm_overlap and par.sequence_parallel and tp > 1)
+            at = (gpu.name, par.tensor_model_parallel_size, par.context_parallel_size, par.tp_comm_overlap,
+                  par.sequence_parallel)
             device = self._devices.get(at)
             if device is None:
                 device = self._devices[at] = unit_device(gpu=gpu, cluster=self.cluster, parallel=par)

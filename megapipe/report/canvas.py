@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from megapipe.files import atomic_write_bytes
 
 __all__ = ["DPI", "pinned_style", "new_figure", "place_axes", "fitted", "text_width_in", "title_lines",
-           "put_title", "legend_width_in", "legend_row", "save_png", "warm_up"]
+           "put_title", "legend_width_in", "legend_row", "save_png", "png_bytes", "warm_up"]
 
 DPI = 100
 """Pixels per inch of every picture: a 12-inch-wide figure is 1,200 pixels wide."""
@@ -130,13 +130,18 @@ def legend_row(figure, handles, labels, *, top_in: float, fontsize: float = 9, *
 
 def save_png(figure, path: str) -> str:
     """The figure as PNG at :data:`DPI` without text metadata (same inputs, same bytes), written atomically."""
+    atomic_write_bytes(path, png_bytes(figure))
+    return path
+
+
+def png_bytes(figure) -> bytes:
+    """The figure as PNG at :data:`DPI` without text metadata."""
     import io
 
     buffer = io.BytesIO()
     with pinned_style():
         figure.savefig(buffer, format="png", dpi=DPI, facecolor="white", metadata=_META)
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
+    return buffer.getvalue()
 
 
 def warm_up() -> None:
@@ -144,8 +149,6 @@ def warm_up() -> None:
     so matplotlib's font, layout and PNG paths are loaded before the first real picture: a process that draws while
     a command computes (:mod:`megapipe.commands.painter`) pays that load then, not while the command waits. It
     changes no picture's bytes."""
-    import io
-
     from matplotlib.patches import Rectangle
 
     with pinned_style():
@@ -156,4 +159,4 @@ def warm_up() -> None:
         axes.set_xlabel("x", fontsize=9)
         axes.text(0.5, 0.5, "warm", fontsize=7)
         legend_row(figure, [Rectangle((0, 0), 1, 1, color="tab:orange")], ["warm"], top_in=0.3, fontsize=8)
-        figure.savefig(io.BytesIO(), format="png", dpi=DPI, facecolor="white", metadata=_META)
+    png_bytes(figure)
