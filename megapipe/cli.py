@@ -14,6 +14,7 @@ infeasible plan, corrupt file) ends in one line on stderr and exit code 2, never
 
 from __future__ import annotations
 
+import gc
 import importlib
 import itertools
 import logging
@@ -197,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(list(sys.argv[1:] if argv is None else argv))
     finally:
         painter.stop()
+        if argv is None:
+            # The console script's process ends next: what the command built (a pack's curves and plans) needs no
+            # collecting, and the interpreter's last collection would walk all of it once more before exiting.
+            gc.freeze()
 
 
 def _asks_for_help(rest: Sequence[str]) -> bool:

@@ -293,3 +293,47 @@ def test_the_painters_warm_up_changes_no_picture(tmp_path):
         subprocess.run([sys.executable, "-c", _CLUSTER_MAP, str(path), mode], check=True)
         written.append(path.read_bytes())
     assert written[0] == written[1] and written[0].startswith(b"\x89PNG")
+
+
+_MARK = {"set": False}
+
+
+def _set_mark() -> None:
+    _MARK["set"] = True
+
+
+def _seen_mark(value: int) -> tuple[int, bool]:
+    return value * value, _MARK["set"]
+
+
+def test_process_map_runs_meanwhile_once_while_the_first_map_computes_and_later_maps_see_it():
+    """``meanwhile`` runs once in the calling process after the first map's tasks go out; that map's processes were
+    forked before it (they do not see what it did), each later map's after it (they do). The answers are the built-in
+    map's either way, and an empty map forks nothing and runs nothing."""
+    from megapipe.commands.common import process_map, process_workers
+
+    _MARK["set"] = False
+    try:
+        with process_map(4, one_at_a_time=True, meanwhile=_set_mark) as mapper:
+            assert list(mapper(_seen_mark, [])) == []
+            assert not _MARK["set"]
+            first = list(mapper(_seen_mark, range(4)))
+            assert _MARK["set"]
+            second = list(mapper(_seen_mark, range(4, 8)))
+        pooled = process_workers(4) > 1
+        assert first == [(value * value, not pooled) for value in range(4)]
+        assert second == [(value * value, True) for value in range(4, 8)]
+    finally:
+        _MARK["set"] = False
+
+
+def test_an_in_process_main_leaves_the_collector_unfrozen(tmp_path, capsys):
+    """Only the console script's process, which ends after the command, freezes the collector's objects at the end;
+    a caller of ``main(argv)`` (a test, a notebook) goes on with a collector that sees every object."""
+    import gc
+
+    from megapipe.cli import main
+
+    before = gc.get_freeze_count()
+    assert main(["partition", f"output.dir={tmp_path}"]) == 0
+    assert gc.get_freeze_count() == before

@@ -13,6 +13,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
@@ -193,21 +194,48 @@ def process_workers(count: int) -> int:
 
 
 @contextlib.contextmanager
-def process_map(count: int, *, one_at_a_time: bool = False):
+def process_map(count: int, *, one_at_a_time: bool = False, meanwhile: Callable[[], object] | None = None):
     """A ``map`` for ``count`` independent tasks over the machine's cores: a fork process pool, in order, or the
     built-in map when one process is all there is (one core, or one task). Work handed to it must not depend on
     how many processes run it. Tasks go out in chunks (a quarter of each process's share), or ``one_at_a_time``
-    when they are few, long and of uneven cost."""
+    when they are few, long and of uneven cost.
+
+    ``meanwhile``: what this process does, once, while the first map's processes compute (imports that later work
+    needs, which would otherwise hold the pool back); each map then forks a fresh pool, so its processes have what
+    this process imported since. Without a pool it runs before the first map's tasks."""
     workers = process_workers(count)
+    pending = [meanwhile] if meanwhile is not None else []
     if workers == 1:
-        yield map
+        def mapper(function, items):
+            items = list(items)
+            while items and pending:
+                pending.pop()()
+            return map(function, items)
+
+        yield mapper
         return
     import multiprocessing
 
-    pool = multiprocessing.get_context("fork").Pool(workers)
+    context = multiprocessing.get_context("fork")
     chunk = 1 if one_at_a_time else max(1, -(-count // (4 * workers)))
+    pools: list = []
+
+    def mapper(function, items):
+        items = list(items)
+        if not items:
+            return iter(())
+        if not pools or meanwhile is not None:
+            if pools:
+                pools[-1].close()  # its tasks still run to the end; joined on the way out
+            pools.append(context.Pool(workers))
+        results = pools[-1].imap(function, items, chunksize=chunk)
+        while pending:
+            pending.pop()()
+        return results
+
     try:
-        yield lambda function, items: pool.imap(function, items, chunksize=chunk)
+        yield mapper
     finally:
-        pool.close()
-        pool.join()
+        for pool in pools:
+            pool.close()
+            pool.join()

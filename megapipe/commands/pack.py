@@ -137,10 +137,15 @@ def _pictures(result, cluster, directory: str) -> list[str]:
     return written
 
 
+def _import_solver() -> None:
+    import scipy.optimize  # noqa: F401  HiGHS, for the packings (:func:`megapipe.pack.solve.solve_milp`)
+
+
 def run(job: PackInputs, *, directory: str) -> None:
     cluster = job.scenario.cluster
-    import scipy.optimize  # noqa: F401  the packing MILPs' solver, imported once before the pool's processes fork
-    with process_map(len(job.jobs), one_at_a_time=True) as mapper:  # a 405B job's curve against an 8B one's
+    # a 405B job's curve against an 8B one's: one at a time; the packing MILPs' solver is imported here while the
+    # curves' searches run, and the policies' processes fork after it
+    with process_map(len(job.jobs), one_at_a_time=True, meanwhile=_import_solver) as mapper:
         result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper,
                            workers=process_workers(len(job.jobs)))
     if job.output.pictures:  # the painter draws them while the files are written

@@ -267,6 +267,8 @@ class _PointBounds:
         self._memory: dict[tuple, bool] = {}
         self._tokens: dict = {}
         self._token_of: dict[int, int] = {}
+        self._floors: dict[int, float | None] = {}
+        self._placed: dict[int, tuple[tuple[Prepared, ...], Counter, Counter]] = {}
 
     _SIZES = operator.itemgetter(0, 1, 2, 3, 5, 6, 7, 9, 11, 12)
     """TP, CP, PP, DP, micro-batch, recompute, SP, per-stage recompute, EP, ETP: all of a point but its VP,
@@ -306,6 +308,27 @@ class _PointBounds:
             found = self._memory[key] = (self.evaluator.bounds.memory_bound_of(self.space.candidate(point))
                                          <= self.memory_cap)
         return found
+
+    def memory_floor(self, index: int, point: Point) -> float | None:
+        """:meth:`CandidateBounds.memory_floor_ms` of the point at ``index``, once per search (each depth's branch
+        and bound asks again of the points it shares with the whole search's)."""
+        found = self._floors.get(index, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._floors[index] = self.evaluator.bounds.memory_floor_ms(self.space.candidate(point))
+        return found
+
+    def placements(self, index: int, point: Point, pruned: Counter, work: Counter) -> tuple[Prepared, ...]:
+        """:func:`_prepare_placements` of the point at ``index``, once per search: a later ask counts the same
+        partitions and prunes into ``work`` and ``pruned``."""
+        found = self._placed.get(index)
+        if found is None:
+            own_pruned, own_work = Counter(), Counter()
+            placed = tuple(_prepare_placements(self.evaluator, self.space.candidate(point), own_pruned, own_work))
+            found = self._placed[index] = (placed, own_pruned, own_work)
+        placed, own_pruned, own_work = found
+        pruned.update(own_pruned)
+        work.update(own_work)
+        return placed
 
     def step(self, point: Point) -> float:
         key = self._sizes(point) + (id(point.features),)
@@ -402,7 +425,7 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
                 continue
             point = point[0][1]
             # where memory forces an uneven split, its floor before partitioning
-            floor = evaluator.bounds.memory_floor_ms(space.candidate(point))
+            floor = bounds.memory_floor(index, point)
             if floor is not None and floor > key:
                 if floor == float("inf"):
                     pruned["memory"] += 1
@@ -414,7 +437,7 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
             if progress is not None:
                 progress(done, total)
             done += 1
-            placed = [_Placed(item) for item in _prepare_placements(evaluator, space.candidate(point), pruned, work)]
+            placed = [_Placed(item) for item in bounds.placements(index, point, pruned, work)]
             if placed and not keep_all:
                 heapq.heappush(heap, (max(key, min(item.floor_ms for item in placed)), index, point, placed))
                 continue
@@ -463,6 +486,9 @@ def _sharpen(evaluator: Evaluator, placed: list[_Placed], cutoff_ms: float | Non
         item.floor_ms, item.sharpened, sharpened = max(item.floor_ms, relaxed), True, True
     return sharpened
 
+
+_UNKNOWN = object()
+"""Not yet computed (where None is an answer)."""
 
 _UNCHECKED = object()
 """A heap entry under its cheap bound only (:meth:`_PointBounds.cheap`)."""
