@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -303,13 +304,16 @@ def _set_mark() -> None:
 
 
 def _seen_mark(value: int) -> tuple[int, bool]:
+    if value == 0:
+        time.sleep(0.3)  # the first task outlasts the rest: the other process runs out of tasks meanwhile
     return value * value, _MARK["set"]
 
 
-def test_process_map_runs_meanwhile_once_while_the_first_map_computes_and_later_maps_see_it():
-    """``meanwhile`` runs once in the calling process after the first map's tasks go out; that map's processes were
-    forked before it (they do not see what it did), each later map's after it (they do). The answers are the built-in
-    map's either way, and an empty map forks nothing and runs nothing."""
+def test_process_map_runs_meanwhile_once_a_process_is_idle_and_later_maps_see_it():
+    """``meanwhile`` runs once in the calling process, during the first map, as soon as one of its processes has no
+    task left (here before the slow first task's result comes back); that map's processes were forked before it (they
+    do not see what it did), each later map's after it (they do). The answers are the built-in map's, in order, and an
+    empty map forks nothing and runs nothing."""
     from megapipe.commands.common import process_map, process_workers
 
     _MARK["set"] = False
@@ -317,8 +321,10 @@ def test_process_map_runs_meanwhile_once_while_the_first_map_computes_and_later_
         with process_map(4, one_at_a_time=True, meanwhile=_set_mark) as mapper:
             assert list(mapper(_seen_mark, [])) == []
             assert not _MARK["set"]
-            first = list(mapper(_seen_mark, range(4)))
+            results = mapper(_seen_mark, range(4))
+            first = [next(results)]
             assert _MARK["set"]
+            first += list(results)
             second = list(mapper(_seen_mark, range(4, 8)))
         pooled = process_workers(4) > 1
         assert first == [(value * value, not pooled) for value in range(4)]

@@ -328,6 +328,33 @@ def test_the_answer_does_not_depend_on_the_processes_that_search():
     assert alone.searches == pooled.searches == halved.searches
 
 
+def test_pack_hands_over_its_packing_as_soon_as_it_is_decided_and_run():
+    """``decided`` gets the jobs present and the packing at its decision, ``ran`` the packing run to the end and the
+    packing for deadlines (where shown), each once and in that order; the answer is the same as without them."""
+    from megapipe.config import compose, to_scenario
+    from megapipe.options import PackOptions
+    from megapipe.pack import pack_jobs
+    from megapipe.records import JobSpec
+
+    cluster = to_scenario(compose(["cluster.num_nodes=4"]), search=True).cluster
+    model = to_scenario(compose(["model=llama3_8b"]), search=True).model
+    jobs = [JobSpec(name=f"job{i}", model=model, train=TrainSpec(global_batch_size=batch, seq_length=2048),
+                    tokens=1e10, weight=1.0, deadline_hours=hours)
+            for i, (batch, hours) in enumerate(((32, 1.0), (64, 100.0)))]
+    options = PackOptions(node_counts=(1, 2, 4), baseline_pipeline_sizes=(1, 2))
+    calls = []
+    result = pack_jobs(jobs, cluster, options, decided=lambda *args: calls.append(("decided", args)),
+                       ran=lambda *args: calls.append(("ran", args)))
+    assert [name for name, _ in calls] == ["decided", "ran"]
+    present, packed = calls[0][1]
+    assert present == result.jobs and packed.options == result.packed.options and not packed.segments
+    assert calls[1][1][0] is result.packed and calls[1][1][1] is result.alternative
+    assert result.alternative is not None  # job0 misses its hour: the packing for deadlines is shown
+    plain = pack_jobs(jobs, cluster, options)
+    assert [(p.name, p.weighted_flops_per_s, p.finish_h) for p in (plain.packed, plain.alternative, *plain.baselines)] \
+        == [(p.name, p.weighted_flops_per_s, p.finish_h) for p in (result.packed, result.alternative, *result.baselines)]
+
+
 def test_pack_runs_on_the_node_count_its_job_list_is_written_for(tmp_path, capsys):
     """The command line names no cluster size: the job list's num_nodes holds, and the console says where it came
     from (the default run said lab_mix's 64 x 8 H100 and packed the cluster's 16 nodes)."""

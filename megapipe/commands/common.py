@@ -200,9 +200,9 @@ def process_map(count: int, *, one_at_a_time: bool = False, meanwhile: Callable[
     how many processes run it. Tasks go out in chunks (a quarter of each process's share), or ``one_at_a_time``
     when they are few, long and of uneven cost.
 
-    ``meanwhile``: what this process does, once, while the first map's processes compute (imports that later work
-    needs, which would otherwise hold the pool back); each map then forks a fresh pool, so its processes have what
-    this process imported since. Without a pool it runs before the first map's tasks."""
+    ``meanwhile``: what this process does, once, during the first map, as soon as one of the pool's processes has
+    no task left (imports later work needs, on a core the map leaves idle); each map then forks a fresh pool, so its
+    processes have what this process imported since. Without a pool it runs before the first map's tasks."""
     workers = process_workers(count)
     pending = [meanwhile] if meanwhile is not None else []
     if workers == 1:
@@ -228,10 +228,11 @@ def process_map(count: int, *, one_at_a_time: bool = False, meanwhile: Callable[
             if pools:
                 pools[-1].close()  # its tasks still run to the end; joined on the way out
             pools.append(context.Pool(workers))
-        results = pools[-1].imap(function, items, chunksize=chunk)
-        while pending:
-            pending.pop()()
-        return results
+        if not pending:
+            return pools[-1].imap(function, items, chunksize=chunk)
+        done = pools[-1].imap_unordered(_indexed_call, [(function, index, item) for index, item in enumerate(items)],
+                                        chunksize=chunk)
+        return _in_order(done, len(items), workers, pending)
 
     try:
         yield mapper
@@ -239,3 +240,24 @@ def process_map(count: int, *, one_at_a_time: bool = False, meanwhile: Callable[
         for pool in pools:
             pool.close()
             pool.join()
+
+
+def _indexed_call(task):
+    function, index, item = task
+    return index, function(item)
+
+
+def _in_order(done, count: int, workers: int, pending: list):
+    """The results of ``done`` ((index, result) as tasks end) in task order; ``pending``'s work runs here once fewer
+    tasks are left than processes (one of them is idle)."""
+    kept, following, received = {}, 0, 0
+    while pending and count < workers:
+        pending.pop()()
+    for index, result in done:
+        received += 1
+        kept[index] = result
+        while pending and count - received < workers:
+            pending.pop()()
+        while following in kept:
+            yield kept.pop(following)
+            following += 1

@@ -113,28 +113,53 @@ def _write_job_dirs(directory: str, job: PackInputs, jobs, options, cluster) -> 
     return written
 
 
-def _pictures(result, cluster, directory: str) -> list[str]:
-    from megapipe.report.cluster_map import cluster_map, job_colours, node_owners
-    from megapipe.report.pack_timeline import timeline_chart
+class _Pictures:
+    """cluster.png and timeline.png, each handed to the painter as soon as what it shows is known, while the rest of
+    the packing is worked out: the cluster map at the packing's decision (at the end where a what-if adds its
+    panel), the timeline once the packing and the packing for deadlines are run to the end."""
 
-    packed = result.packed
-    colours = job_colours(sorted({job.name for job in (*result.jobs, *result.what_if_jobs)}))
-    place = lambda jobs, options: [(s.name, o.group, o.nodes) for s, o in zip(jobs, options)]  # noqa: E731
-    groups = [f"{g.gpu.name}" for g in cluster.node_groups]
-    panels = [(f"packed ({result.objective}): at the start", node_owners(result.capacities,
-                                                                          place(result.jobs, packed.options)))]
-    if result.what_if is not None:
-        panels.append((result.what_if.name + f" ({result.moves} moved)",
-                       node_owners(result.capacities, place(result.what_if_jobs, result.what_if.options),
-                                   failed=[a - b for a, b in zip(result.capacities, result.what_if_capacities)])))
-    written = [os.path.join(directory, "cluster.png")]
-    painter.draw(cluster_map, panels, groups, written[0], colours=colours)
-    timelines = [policy for policy in (packed, result.alternative) if policy is not None and policy.segments]
-    if timelines:
-        written.append(os.path.join(directory, "timeline.png"))
-        painter.draw(timeline_chart, [(policy.name, policy.aim, policy.segments) for policy in timelines],
-                     result.jobs, result.capacities, groups, written[-1], colours=colours)
-    return written
+    def __init__(self, job: PackInputs, directory: str):
+        from megapipe.report.cluster_map import job_colours
+
+        cluster, options = job.scenario.cluster, job.options
+        self.directory, self.objective = directory, options.objective
+        self.what_if = options.fail_group is not None or bool(options.fail_nodes) or options.arrive
+        self.capacities = tuple(group.num_nodes for group in cluster.node_groups)
+        self.groups = [group.gpu.name for group in cluster.node_groups]
+        shown = [spec for spec in job.jobs if options.arrive or not spec.arrives_later]  # the jobs present, the arrivals
+        self.colours = job_colours(sorted({spec.name for spec in shown}))
+        self.jobs: tuple[JobSpec, ...] = ()
+
+    def decided(self, jobs, packed) -> None:
+        self.jobs = jobs
+        if not self.what_if:
+            self._cluster_map(packed)
+
+    def ran(self, packed, alternative) -> None:
+        from megapipe.report.pack_timeline import timeline_chart
+
+        timelines = [policy for policy in (packed, alternative) if policy is not None and policy.segments]
+        if timelines:
+            painter.draw(timeline_chart, [(policy.name, policy.aim, policy.segments) for policy in timelines],
+                         self.jobs, self.capacities, self.groups, os.path.join(self.directory, "timeline.png"),
+                         colours=self.colours)
+
+    def finished(self, result) -> None:
+        if self.what_if:
+            self._cluster_map(result.packed, result)
+
+    def _cluster_map(self, packed, result=None) -> None:
+        from megapipe.report.cluster_map import cluster_map, node_owners
+
+        place = lambda jobs, options: [(s.name, o.group, o.nodes) for s, o in zip(jobs, options)]  # noqa: E731
+        panels = [(f"packed ({self.objective}): at the start", node_owners(self.capacities,
+                                                                            place(self.jobs, packed.options)))]
+        if result is not None and result.what_if is not None:
+            panels.append((result.what_if.name + f" ({result.moves} moved)",
+                           node_owners(self.capacities, place(result.what_if_jobs, result.what_if.options),
+                                       failed=[a - b for a, b in zip(self.capacities, result.what_if_capacities)])))
+        painter.draw(cluster_map, panels, self.groups, os.path.join(self.directory, "cluster.png"),
+                     colours=self.colours)
 
 
 def _import_solver() -> None:
@@ -143,13 +168,15 @@ def _import_solver() -> None:
 
 def run(job: PackInputs, *, directory: str) -> None:
     cluster = job.scenario.cluster
-    # a 405B job's curve against an 8B one's: one at a time; the packing MILPs' solver is imported here while the
-    # curves' searches run, and the policies' processes fork after it
+    drawn = _Pictures(job, directory) if job.output.pictures else None  # the painter draws while the rest goes on
+    # a 405B job's curve against an 8B one's: one at a time; the packing MILPs' solver is imported here once a core
+    # is left idle by the curves' searches, and the policies' processes fork after it
     with process_map(len(job.jobs), one_at_a_time=True, meanwhile=_import_solver) as mapper:
         result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper,
-                           workers=process_workers(len(job.jobs)))
-    if job.output.pictures:  # the painter draws them while the files are written
-        _pictures(result, cluster, directory)
+                           workers=process_workers(len(job.jobs)), decided=drawn and drawn.decided,
+                           ran=drawn and drawn.ran)
+    if drawn is not None:
+        drawn.finished(result)
     document = pack_document(result, cluster, inputs=job.inputs)
     atomic_write_text(os.path.join(directory, "pack.yaml"), dump_yaml(document))
     written = [os.path.join(directory, "pack.yaml")]

@@ -302,11 +302,17 @@ def _capacities_after_failure(cluster: ClusterSpec, options: PackOptions) -> tup
 
 def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOptions, *,
               baselines: bool = True, search: SearchOptions = CURVE_OPTIONS, mapper: Callable = map,
-              workers: int = 1) -> PackResult:
+              workers: int = 1, decided: Callable[[tuple[JobSpec, ...], Policy], object] | None = None,
+              ran: Callable[[Policy, Policy | None], object] | None = None) -> PackResult:
     """Pack the jobs present now (not ``arrives_later``); then the baselines, then the what-if. ``search``: the
     planner's options every job's searches use (``search.*``; each curve point keeps its best plan). ``mapper``
-    runs the curves' searches, a batch per job shape (a process pool's map of ``workers`` processes uses every core;
-    the answer is the same)."""
+    runs the curves' searches, a batch per job shape, and the policies' runs to the end (a process pool's map of
+    ``workers`` processes uses every core; the answer is the same).
+
+    So a caller can draw while the rest is worked out: ``decided`` gets the jobs present and the packing at the start
+    (:attr:`PackResult.jobs`, and :attr:`PackResult.packed` without its run to the end) once it is chosen, ``ran``
+    the packing run to the end and the packing for deadlines where it is shown (:attr:`PackResult.packed` and
+    :attr:`PackResult.alternative`) once both are known, before the fixed-depth baselines' runs end."""
     started = time.perf_counter()
     cache = CurveCache(cluster=cluster, options=dataclasses.replace(search, top_k=1))
     capacities = tuple(group.num_nodes for group in cluster.node_groups)
@@ -321,28 +327,34 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
     packed = _concurrent("packed", f"all at once, for {AIMS[options.objective]}", present,
                          [c[o] for c, o in zip(curves, packing.choice)], peak)
     seconds = time.perf_counter() - started
+    if decided is not None:
+        decided(present, packed)
     restart_h = options.restart_minutes / 60.0
     arriving = [(job, None) for job in jobs if job.arrives_later and options.arrive]
     cache.prefetch(_requests([(job, size) for job in present for size in sizes] + arriving, cluster, options), mapper,
                    workers=workers)
-    # The policies' packings, each run to the end, side by side through ``mapper``: the packing's own, each fixed
-    # pipeline size's, and (when it may be shown: every job has a deadline and a budget) the packing for deadlines.
+    # The policies' packings, each run to the end, side by side through ``mapper``: the packing's own, (when it may
+    # be shown: every job has a deadline and a budget) the packing for deadlines, and each fixed pipeline size's.
     objective = options.objective
     tasks: list[tuple] = [("timeline", packed, present, curves, capacities, objective, peak, restart_h)]
-    tasks += [("fixed", size, present, [job_options(job, cache, node_counts=options.node_counts, capacities=capacities,
-                                                    pipeline=size) for job in present], capacities, objective, peak,
-               restart_h) for size in sizes]
     speculative = baselines and objective != "deadlines" and all(
         job.deadline_hours is not None and job.tokens > 0 for job in present)
     if speculative:
         tasks.append(("deadlines", present, curves, capacities, peak, restart_h))
-    done = list(mapper(_run_policy, tasks))
-    packed = done[0]
+    tasks += [("fixed", size, present, [job_options(job, cache, node_counts=options.node_counts, capacities=capacities,
+                                                    pipeline=size) for job in present], capacities, objective, peak,
+               restart_h) for size in sizes]
+    done = iter(mapper(_run_policy, tasks))
+    packed = next(done)
+    for_deadlines = next(done) if speculative else None
     missed = packed.deadlines_met < sum(job.deadline_hours is not None for job in present)
-    alternative = done[-1] if speculative and missed else None
+    alternative = for_deadlines if missed else None
+    if ran is not None:
+        ran(packed, alternative)
+    fixed_runs = list(done)
     found: list[Policy] = []
     if baselines:
-        fixed = _fixed_depth(done[1:1 + len(sizes)], options)
+        fixed = _fixed_depth(fixed_runs, options)
         if fixed is not None:
             found.append(fixed)
         found.append(_sequential(present, curves, peak))
