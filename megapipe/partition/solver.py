@@ -152,7 +152,7 @@ def _coupled_bounds(layers, stages, ranks, in_flight, profiles, *, check_memory:
     if HiGHS cannot finish, the per-chunk share rule gives a split that fits
     (:func:`~megapipe.partition.memory.chunk_memory_caps`).
     """
-    free = _optimal_bounds(layers, stages, ranks, in_flight, (math.inf,) * len(ranks), headroom=False)
+    free = _free_bounds(layers, stages, ranks, in_flight)
     if not check_memory or _coupled_fit(layers, stages, ranks, profiles, free):
         return free
     floor = bottleneck_of(layers, stages, ranks, free)
@@ -178,6 +178,23 @@ def _coupled_bounds(layers, stages, ranks, in_flight, profiles, *, check_memory:
     if bounds is None:
         raise _MemoryInfeasible(lambda: _coupled_infeasible_message(layers, stages, ranks, profiles, free))
     return bounds
+
+
+_FREE: dict[tuple, tuple[int, ...]] = {}
+"""The split of least bottleneck without memory limits, by the entries' F + B and each layout stage's time scale:
+all it reads (no memory reach, so neither bytes nor in-flight counts; a search meets the same layer times at every
+data-parallel size and microbatch count)."""
+
+
+def _free_bounds(layers, stages, ranks, in_flight) -> tuple[int, ...]:
+    key = (tuple([layer.fwd_ms + layer.bwd_ms for layer in layers]), tuple([stages[rank].time_scale for rank in ranks]))
+    found = _FREE.get(key)
+    if found is None:
+        found = _optimal_bounds(layers, stages, ranks, in_flight, (math.inf,) * len(ranks), headroom=False)
+        if len(_FREE) >= 4096:
+            _FREE.clear()
+        _FREE[key] = found
+    return found
 
 
 def _coupled_fit(layers, stages, ranks, profiles, bounds) -> bool:
