@@ -239,6 +239,24 @@ def test_the_users_settings_reach_every_job(tmp_path):
         assert "--recompute-granularity full" in args
 
 
+def test_each_job_gets_its_own_fields_and_the_command_lines_for_the_rest():
+    """A job's model, batch, sequence and precision are its own; a job that names no precision gets the command
+    line's, whatever the job before it named (the jobs are set up one after another in one config)."""
+    from megapipe.config import compose, to_scenario
+    from megapipe.config.jobs import jobs_of
+
+    listed = ("jobs.jobs=[{name: a, model: llama3_8b, global_batch_size: 64, precision: fp8},"
+              "{name: b, model: llama3_70b, global_batch_size: 32, seq_length: 2048},"
+              "{name: c, model: llama3_8b, global_batch_size: 16, seq_length: 4096, precision: bf16},"
+              "{name: d, model: llama3_8b, global_batch_size: 64}]")
+    for line in ("bf16", "fp8"):
+        cfg = compose([listed, f"train.precision={line}"])
+        jobs = jobs_of(cfg, to_scenario(cfg, search=True).cluster)
+        assert [(job.model.name, job.train.global_batch_size, job.train.precision) for job in jobs] == [
+            ("llama3_8b", 64, "fp8"), ("llama3_70b", 32, line), ("llama3_8b", 16, "bf16"), ("llama3_8b", 64, line)]
+        assert [jobs[1].train.seq_length, jobs[2].train.seq_length] == [2048, 4096]
+
+
 def test_a_job_that_cannot_take_a_pinned_setting_is_named(capsys, tmp_path):
     one = "jobs.jobs=[{name: a, model: llama3_8b, global_batch_size: 64}, {name: odd, model: qwen3_30b_a3b, global_batch_size: 32}]"
     assert main(["pack", one, "parallel.tensor_model_parallel_size=8", f"output.dir={tmp_path}"]) == 2

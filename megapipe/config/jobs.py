@@ -44,9 +44,13 @@ def _job_scenario(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
     precision = job.get("precision")
     key = (str(job.model), job.get("seq_length"), precision, int(job.global_batch_size))
     if key not in cache:
-        if "base" not in cache:  # the config without the job list and Hydra's record, which a job does not read
-            cache["base"] = OmegaConf.masked_copy(cfg, [name for name in cfg if name not in ("jobs", "hydra")])
-        job_cfg = copy.deepcopy(cache["base"])
+        if "base" not in cache:
+            # One copy of the config without the job list and Hydra's record (which a job does not read), each job's
+            # fields set in it in turn: every field a job sets is set for each job, the precision back to the
+            # command line's where the job names none.
+            base = OmegaConf.masked_copy(cfg, [name for name in cfg if name not in ("jobs", "hydra")])
+            cache["base"] = (copy.deepcopy(base), base.train.get("precision"))
+        job_cfg, line_precision = cache["base"]
         model = ("model", str(job.model))
         if model not in cache:
             cache[model] = compose_model(str(job.model))
@@ -54,8 +58,7 @@ def _job_scenario(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
             job_cfg.model = copy.deepcopy(cache[model])
             job_cfg.train.global_batch_size = int(job.global_batch_size)
             job_cfg.train.seq_length = job.get("seq_length")
-            if precision is not None:
-                job_cfg.train.precision = str(precision)
+            job_cfg.train.precision = line_precision if precision is None else str(precision)
         try:
             cache[key] = to_scenario(job_cfg, search=True)
         except ConfigError as error:
