@@ -14,7 +14,7 @@ from _partition_checks import solve_like_brute
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megapipe.errors import ConfigError, InfeasibleError
+from megapipe.errors import ConfigError, InfeasibleError, ScheduleError
 from megapipe.layout import parse_layout
 from megapipe.partition import (
     StageSpec,
@@ -210,6 +210,50 @@ def test_identical_decoders_exact_by_counts(num_decoders, static, act, vp, num_m
         return
     stages = [StageSpec(memory_bytes=cap_units * UNIT), StageSpec(time_scale=1.5, memory_bytes=cap_units * UNIT)]
     _assert_interleaved_equals_brute(layers, stages, num_microbatches, vp)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    instances(max_entries=10, max_stages=3, min_stages=2),
+    st.sampled_from(["interleaved_1f1b", "zb_v", "1f1b"]),
+    st.sampled_from([2, 4, 6]),
+    st.booleans(),
+)
+def test_a_split_known_without_solving_is_the_solvers(instance, schedule, num_microbatches, check_memory):
+    """free_split answers only where the solver's split is the one of least bottleneck without memory limits, and
+    then it is the solver's split (entries per layout stage and ranks); where it answers None on coupled stages with
+    memory checked, the free split overfills some rank."""
+    from megapipe.partition import free_split
+    from megapipe.partition.memory import stage_ranks
+
+    layers, stages, _, _ = instance
+    vp = 1 if schedule == "1f1b" else 2
+    if len(layers) < len(stages) * vp:
+        return
+    inputs = dict(num_microbatches=num_microbatches, schedule=schedule, virtual_pipeline_model_parallel_size=vp)
+    try:
+        known = free_split(layers, stages, check_memory=check_memory, **inputs)
+    except ScheduleError:  # sizes the schedule refuses: the solver refuses them alike
+        with pytest.raises(ScheduleError):
+            solve(layers, stages, check_memory=check_memory, **inputs)
+        return
+    try:
+        part = solve(layers, stages, check_memory=check_memory, **inputs)
+    except InfeasibleError:
+        assert known is None
+        return
+    coupled = len(stage_ranks(schedule=schedule, pipeline_model_parallel_size=len(stages),
+                              num_stages=len(stages) * vp)) > len(stages)
+    if not coupled:
+        assert known is None
+    elif known is not None:
+        assert known == (part.entries_per_stage, part.stage_to_rank)
+    elif not check_memory:
+        raise AssertionError("without memory the solver's split is always the free one")
+    else:
+        free = solve(layers, stages, check_memory=False, **inputs)
+        assert not all(used <= stage.memory_bytes for used, stage in zip(
+            free.rank_memory_bytes, stages))
 
 
 def _assert_interleaved_equals_brute(layers, stages, num_microbatches, vp, *, memory_rel=0.0):

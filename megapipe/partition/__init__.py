@@ -10,7 +10,7 @@ part.layout, part.bottleneck_ms
 
 from megapipe.partition.baselines import equal_bounds, parameters_bounds
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts
-from megapipe.partition.solver import METHODS, given_split, solve
+from megapipe.partition.solver import METHODS, free_split, given_split, solve
 from megapipe.records import Partition, StageSpec
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "StageSpec",
     "chunk_memory_caps",
     "equal_bounds",
+    "free_split",
     "given_split",
     "in_flight_counts",
     "parameters_bounds",

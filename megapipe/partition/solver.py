@@ -33,7 +33,7 @@ from megapipe.records import LayerCost, LayerKind, Partition, StageSpec
 from megapipe.schedules import ScheduleName, rank_in_flight_profiles, spec
 from megapipe.units import GIB
 
-__all__ = ["METHODS", "solve", "given_split"]
+__all__ = ["METHODS", "solve", "given_split", "free_split"]
 
 METHODS = ("optimal", "equal", "parameters")
 _HUGE = 1e300
@@ -94,6 +94,40 @@ def solve(
     if check_memory and method != "optimal" and not partition.fits_memory:
         _raise_rank_overflow(partition, stages)
     return partition
+
+
+def free_split(
+    profile,
+    stages: Sequence[StageSpec],
+    *,
+    num_microbatches: int,
+    schedule: str,
+    virtual_pipeline_model_parallel_size: int,
+    microbatch_group_size_per_vp_stage: int | None = None,
+    check_memory: bool = True,
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(entries per layout stage, stage-to-rank map) of :func:`solve`'s optimal split where it is known without
+    solving, else None: when ranks hold several layout stages, no entry is an MTP layer, and the split of least
+    bottleneck without memory limits fits every rank's coupled memory (or memory is not checked), ``solve`` returns
+    that split (:func:`_coupled_bounds`), which is kept by the entries' times. A search asks it of candidates it may
+    prune on their partition's floor, at a fraction of a solve's cost. Raises as ``solve`` does on bad input."""
+    layers, stages, vp = _validate(profile, stages, num_microbatches, virtual_pipeline_model_parallel_size, "optimal")
+    pp = len(stages)
+    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+    if len(ranks) == pp or any(layer.kind == LayerKind.mtp for layer in layers):
+        return None
+    in_flight = in_flight_counts(schedule=schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+                                 virtual_pipeline_model_parallel_size=vp,
+                                 microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+    bounds = _free_bounds(layers, stages, ranks, in_flight)
+    if check_memory:
+        profiles = rank_in_flight_profiles(
+            schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+            virtual_pipeline_model_parallel_size=vp, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+        if not _coupled_fit(layers, stages, ranks, profiles, bounds):
+            return None
+    entries = tuple(stop - start for start, stop in zip(bounds, bounds[1:]))
+    return (entries, tuple(ranks)) if all(entries) else None
 
 
 def _mtp_problem(layers, bounds, pp: int) -> str | None:

@@ -136,14 +136,41 @@ class Evaluator:
         else:
             part = self.partition(cand, method=method, gpus=gpus, check_memory=check_memory, layout=layout)
             layers, choices = self.costs.profile(cand).layers, ()
-        times = stage_times(layers=layers, entries_per_stage=part.entries_per_stage, stage_to_rank=part.stage_to_rank,
-                            specs=specs)
-        sums = self._rank_sums(cand, layers, part.entries_per_stage, part.stage_to_rank, times, gpus)
-        floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=part.stage_to_rank, fwd_ms=times.fwd_ms,
+        times, sums, floor = self._floor(cand, layers, part.entries_per_stage, part.stage_to_rank, specs, gpus)
+        return Prepared(cand=cand, gpus=gpus, partition=part, specs=specs, times=times, layers=tuple(layers), sums=sums,
+                        floor_ms=floor, stage_recompute=choices)
+
+    def _floor(self, cand: Candidate, layers, entries_per_stage, stage_to_rank, specs, gpus
+               ) -> tuple[StageTimes, _RankSums, float]:
+        """A split's stage times, rank sums and floor on the step (:attr:`Prepared.floor_ms`)."""
+        times = stage_times(layers=layers, entries_per_stage=entries_per_stage, stage_to_rank=stage_to_rank, specs=specs)
+        sums = self._rank_sums(cand, layers, entries_per_stage, stage_to_rank, times, gpus)
+        floor = pipeline_floor_ms(schedule=cand.schedule, stage_to_rank=stage_to_rank, fwd_ms=times.fwd_ms,
                                   bwd_ms=times.bwd_ms, num_microbatches=cand.num_microbatches)
         floor += self.cluster.runtime.step_overhead_ms
-        return Prepared(cand=cand, gpus=gpus, partition=part, specs=specs, times=times, layers=tuple(layers), sums=sums,
-                        floor_ms=floor + sums.sync_ms + sums.optimizer_ms, stage_recompute=choices)
+        return times, sums, floor + sums.sync_ms + sums.optimizer_ms
+
+    def split_floor_ms(self, cand: Candidate, *, gpus: tuple[GpuSpec, ...] | None = None) -> float | None:
+        """``prepare(cand, gpus=gpus).floor_ms``, the same float, where the solver's split is known without solving
+        (:func:`megapipe.partition.free_split`); None where it is not, or the candidate is one :meth:`prepare` would
+        refuse."""
+        if cand.per_stage_recompute:
+            return None
+        par = cand.parallel
+        gpus = gpus or (self.cluster.gpu,) * par.pipeline_model_parallel_size
+        specs = self.costs.stage_specs(cand, gpus)
+        profile = self.costs.profile(cand)
+        try:
+            found = partition.free_split(
+                profile, list(specs), num_microbatches=cand.num_microbatches, schedule=cand.schedule,
+                virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+                microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage,
+                check_memory=not self.options.ignore_memory_limit)
+        except MegapipeError:
+            return None
+        if found is None:
+            return None
+        return self._floor(cand, profile.layers, *found, specs, gpus)[2]
 
     def finish(self, prepared: Prepared) -> Plan:
         """Simulate a prepared candidate's schedule and price the plan; raises ScheduleError."""

@@ -108,7 +108,9 @@ def search_by_depth(*, depths: tuple[int, ...], **inputs) -> dict[int | None, Se
     One enumeration, one set of bounds, and one branch and bound per depth over the points of that depth, with
     partitions and simulations shared. A depth's points are those the fixed search enumerates, in the same order
     and with the same bounds, so its plans are that search's (tests/test_plan_search.py); its stats count the
-    shared enumeration and bounds and its own branch and bound. A depth's result is lean (:meth:`_Bounded.result`):
+    shared enumeration and bounds and its own branch and bound, which also skips partitioning a candidate whose
+    split is known without solving and whose floor is past the cutoff (:meth:`_PointBounds.split_floor`; only the
+    depths' lean results do this, so the whole search's counts are a plain search's). A depth's result is lean (:meth:`_Bounded.result`):
     its equal-split baseline is None where it cannot beat the chosen plan, and it keeps no profile. A depth the
     whole search does not try (over ``search.max_pipeline_model_parallel_size`` or the layer count), or every depth
     when the whole search's inputs fail, is searched on its own."""
@@ -178,7 +180,8 @@ class _Bounded:
         bounded = self.bounded if depth is None else [item for item in self.bounded
                                                       if item[2][0][1].pipeline_model_parallel_size == depth]
         pruned = Counter(self.pruned)
-        plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, self.bounds, pruned, progress)
+        plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, self.bounds, pruned, progress,
+                                                      split_floors=lean)
         if not plans and depth is None:
             self.planless = True
         if not plans:
@@ -268,6 +271,7 @@ class _PointBounds:
         self._tokens: dict = {}
         self._token_of: dict[int, int] = {}
         self._floors: dict[int, float | None] = {}
+        self._split_floors: dict[int, float | None] = {}
         self._placed: dict[int, tuple[tuple[Prepared, ...], Counter, Counter]] = {}
 
     _SIZES = operator.itemgetter(0, 1, 2, 3, 5, 6, 7, 9, 11, 12)
@@ -315,6 +319,18 @@ class _PointBounds:
         found = self._floors.get(index, _UNKNOWN)
         if found is _UNKNOWN:
             found = self._floors[index] = self.evaluator.bounds.memory_floor_ms(self.space.candidate(point))
+        return found
+
+    def split_floor(self, index: int, point: Point) -> float | None:
+        """The floor the point's partition would get (:meth:`Evaluator.split_floor_ms`, with the branch and bound's
+        margin), where its split is known without solving; once per search. None elsewhere, and on a mixed cluster
+        (several placements)."""
+        found = self._split_floors.get(index, _UNKNOWN)
+        if found is _UNKNOWN:
+            cand = self.space.candidate(point)
+            choices = placements(self.evaluator.cluster, cand.parallel)
+            floor = self.evaluator.split_floor_ms(cand, gpus=choices[0]) if len(choices) == 1 else None
+            found = self._split_floors[index] = None if floor is None else floor * (1 - _FLOOR_MARGIN)
         return found
 
     def placements(self, index: int, point: Point, pruned: Counter, work: Counter) -> tuple[Prepared, ...]:
@@ -380,15 +396,17 @@ def _min_time_scale(evaluator: Evaluator) -> float:
     return min(datasheet_time_scale(group.gpu, ref) for group in evaluator.cluster.node_groups)
 
 
-def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _PointBounds, pruned: Counter, progress
-                      ) -> tuple[list[Plan], Counter, float]:
+def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _PointBounds, pruned: Counter, progress,
+                      split_floors: bool = False) -> tuple[list[Plan], Counter, float]:
     """Best first over lower bounds that sharpen: a candidate's cheap pipeline bound, its closed-form bound, its
     memory floor, its partition's floor, then its schedule's relaxed step (:meth:`Evaluator.relaxed_floor_ms`).
 
     A family of points that differ only in VP (:func:`_bound_all`) popped under its cheap bound is dropped if it
     cannot fit memory, else pushed back under its full closed-form bound; popped again, its points go on one by one,
     each under its memory floor where memory forces an uneven split
-    (:meth:`~megapipe.plan.candidate_bounds.CandidateBounds.memory_floor_ms`). A popped candidate is then
+    (:meth:`~megapipe.plan.candidate_bounds.CandidateBounds.memory_floor_ms`; with ``split_floors``, or the floor
+    its partition will have where the solver's split is known without solving, :meth:`_PointBounds.split_floor`,
+    whichever is higher, so a candidate that floor prunes is never partitioned). A popped candidate is then
     partitioned and pushed back under max(bound, floor); popped again, each placement still below the cutoff gets
     the relaxed floor and the candidate goes back under it; popped a third time, it is simulated. Once the
     smallest key is no better than the k-th best exact step, nothing left can rank.
@@ -426,6 +444,9 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
             point = point[0][1]
             # where memory forces an uneven split, its floor before partitioning
             floor = bounds.memory_floor(index, point)
+            if split_floors and floor != float("inf"):  # the partition's own floor, where its split is known
+                split = bounds.split_floor(index, point)
+                floor = split if floor is None or split is not None and split > floor else floor
             if floor is not None and floor > key:
                 if floor == float("inf"):
                     pruned["memory"] += 1
