@@ -110,8 +110,9 @@ def search_by_depth(*, depths: tuple[int, ...], **inputs) -> dict[int | None, Se
     and with the same bounds, so its plans are that search's (tests/test_plan_search.py); its stats count the
     shared enumeration and bounds and its own branch and bound, which also skips partitioning a candidate whose
     split is known without solving and whose floor is past the cutoff (:meth:`_PointBounds.split_floor`; only the
-    depths' lean results do this, so the whole search's counts are a plain search's). A depth's result is lean (:meth:`_Bounded.result`):
-    its equal-split baseline is None where it cannot beat the chosen plan, and it keeps no profile. A depth the
+    depths' lean results do this, so the whole search's counts are a plain search's). A depth's result is lean
+    (:meth:`_Bounded.result`): its equal-split baseline is None where it cannot beat the chosen plan, and it keeps
+    no profile. A depth the
     whole search does not try (over ``search.max_pipeline_model_parallel_size`` or the layer count), or every depth
     when the whole search's inputs fail, is searched on its own."""
     with _no_cycle_collection():
