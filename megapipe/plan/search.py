@@ -167,8 +167,29 @@ class _Bounded:
             microbatch_group_size_per_vp_stage=inputs.get("microbatch_group_size_per_vp_stage"), template=template)
         self.pruned = Counter(self.space.pruned)
         self.bounded, self.bounds = _bound_all(self.evaluator, self.space, self.pruned)
+        self._by_depth: dict[int, list] | None = None
+        self._vp_by_depth: dict[int | None, tuple[int, ...]] | None = None
         self.planless = False
         """The branch and bound over every point found no plan, feasible or not."""
+
+    def _virtual_sizes(self, depth: int | None) -> tuple[int, ...]:
+        """The VP sizes the points of ``depth`` (None: every point) try, sorted (one pass for every depth asked)."""
+        if self._vp_by_depth is None:
+            found: dict[int, set[int]] = {}
+            for point in self.space.points:
+                found.setdefault(point.pipeline_model_parallel_size, set()).add(
+                    point.virtual_pipeline_model_parallel_size)
+            self._vp_by_depth = {pp: tuple(sorted(sizes)) for pp, sizes in found.items()}
+            self._vp_by_depth[None] = tuple(sorted(set().union(*found.values())))
+        return self._vp_by_depth.get(depth, ())
+
+    def _depths(self) -> dict[int, list]:
+        """The bounded entries of each depth, in their order (one pass for every depth asked)."""
+        if self._by_depth is None:
+            self._by_depth = {}
+            for item in self.bounded:
+                self._by_depth.setdefault(item[2][0][1].pipeline_model_parallel_size, []).append(item)
+        return self._by_depth
 
     def result(self, depth: int | None, *, started: float, progress: Callable[[int, int], None] | None = None,
                lean: bool = False) -> SearchResult:
@@ -178,8 +199,7 @@ class _Bounded:
         evaluator, space, inputs = self.evaluator, self.space, self.inputs
         model, cluster, train, options = inputs["model"], inputs["cluster"], inputs["train"], self.options
         fixed = inputs["fixed"] if depth is None else {**inputs["fixed"], "pipeline_model_parallel_size": depth}
-        bounded = self.bounded if depth is None else [item for item in self.bounded
-                                                      if item[2][0][1].pipeline_model_parallel_size == depth]
+        bounded = self.bounded if depth is None else self._depths().get(depth, [])
         pruned = Counter(self.pruned)
         plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, self.bounds, pruned, progress,
                                                       split_floors=lean)
@@ -206,13 +226,9 @@ class _Bounded:
         template = inputs.get("template", ParallelSpec())
         reference = _reference(evaluator, options, train, dataclasses.replace(
             template, use_distributed_optimizer=inputs.get("use_distributed_optimizer", True)))
-        points = space.points if depth is None else [point for point in space.points
-                                                     if point.pipeline_model_parallel_size == depth]
         stats = SearchStats(enumerated=space.enumerated, evaluated=_points(bounded), partitioned=work["partitioned"],
                             simulated=work["simulated"], pruned=tuple(sorted(pruned.items())),
-                            seconds=time.perf_counter() - started,
-                            virtual_sizes=tuple(sorted({point.virtual_pipeline_model_parallel_size
-                                                        for point in points})))
+                            seconds=time.perf_counter() - started, virtual_sizes=self._virtual_sizes(depth))
         gain = chosen.tokens_per_s / baseline.tokens_per_s - 1 if baseline is not None else None
         return SearchResult(plans=ranked, chosen=chosen, baseline=baseline, reference=reference, stats=stats,
                             profile=None if lean else evaluator.costs.profile(_candidate_of(chosen)),
