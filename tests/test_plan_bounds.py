@@ -201,6 +201,19 @@ def test_every_point_pruned_for_memory_is_over_its_own_memory_bound():
         assert cheap <= bounds.step(point) == fresh.bounds.bound(space.candidate(point)).step_ms
 
 
+def _evaluator_and_space(overrides):
+    """An evaluator and the enumerated space of the scenario the overrides compose."""
+    from megapipe.config import compose, to_scenario
+    from megapipe.config.options import search_options
+
+    cfg = compose(overrides)
+    scenario = to_scenario(cfg, search=True)
+    options = search_options(cfg)
+    evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster, options=options)
+    return evaluator, enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
+                                           fixed=scenario.fixed, options=options)
+
+
 @pytest.mark.parametrize("overrides", [
     [],
     ["model=llama3_8b", "cluster.num_nodes=2", "train.global_batch_size=128"],
@@ -214,16 +227,9 @@ def test_memory_floor_never_exceeds_a_partition_floor(overrides):
     where memory forces an uneven split; where it says no split fits, the solver finds none."""
     import random
 
-    from megapipe.config import compose, to_scenario
-    from megapipe.config.options import search_options
     from megapipe.errors import MegapipeError
 
-    cfg = compose(overrides)
-    scenario = to_scenario(cfg, search=True)
-    options = search_options(cfg)
-    evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster, options=options)
-    space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
-                                 fixed=scenario.fixed, options=options)
+    evaluator, space = _evaluator_and_space(overrides)
     applied = sharper = 0
     for point in random.Random(0).sample(space.points, 150):
         cand = space.candidate(point)
@@ -293,16 +299,9 @@ def test_a_split_known_without_solving_is_the_solvers_and_its_floor_the_partitio
     import random
 
     from megapipe import partition
-    from megapipe.config import compose, to_scenario
-    from megapipe.config.options import search_options
     from megapipe.errors import MegapipeError
 
-    cfg = compose(overrides)
-    scenario = to_scenario(cfg, search=True)
-    options = search_options(cfg)
-    evaluator = Evaluator(model=scenario.model, cluster=scenario.cluster, options=options)
-    space = enumerate_candidates(model=scenario.model, cluster=scenario.cluster, train=scenario.train,
-                                 fixed=scenario.fixed, options=options)
+    evaluator, space = _evaluator_and_space(overrides)
     known = unknown = 0
     for point in random.Random(1).sample(space.points, min(200, len(space.points))):
         cand = space.candidate(point)
