@@ -159,10 +159,10 @@ class Evaluator:
         par = cand.parallel
         gpus = gpus or (self.cluster.gpu,) * par.pipeline_model_parallel_size
         specs = self.costs.stage_specs(cand, gpus)
-        profile = self.costs.profile(cand)
+        layers = self.costs.bound_layers(cand)  # the profile's numbers, without its per-layer records
         try:
             found = partition.free_split(
-                profile, list(specs), num_microbatches=cand.num_microbatches, schedule=cand.schedule,
+                layers, list(specs), num_microbatches=cand.num_microbatches, schedule=cand.schedule,
                 virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
                 microbatch_group_size_per_vp_stage=par.microbatch_group_size_per_vp_stage,
                 check_memory=not self.options.ignore_memory_limit)
@@ -170,7 +170,7 @@ class Evaluator:
             return None
         if found is None:
             return None
-        return self._floor(cand, profile.layers, *found, specs, gpus)[2]
+        return self._floor(cand, layers, *found, specs, gpus)[2]
 
     def finish(self, prepared: Prepared) -> Plan:
         """Simulate a prepared candidate's schedule and price the plan; raises ScheduleError."""
