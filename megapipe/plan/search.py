@@ -421,9 +421,10 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
     A family of points that differ only in VP (:func:`_bound_all`) popped under its cheap bound is dropped if it
     cannot fit memory, else pushed back under its full closed-form bound; popped again, its points go on one by one,
     each under its memory floor where memory forces an uneven split
-    (:meth:`~megapipe.plan.candidate_bounds.CandidateBounds.memory_floor_ms`; with ``split_floors``, or the floor
-    its partition will have where the solver's split is known without solving, :meth:`_PointBounds.split_floor`,
-    whichever is higher, so a candidate that floor prunes is never partitioned). A popped candidate is then
+    (:meth:`~megapipe.plan.candidate_bounds.CandidateBounds.memory_floor_ms`; with ``split_floors``, where the
+    solver's split is known without solving, the floor its partition will have instead,
+    :meth:`_PointBounds.split_floor`, which is never below it, so a candidate that floor prunes is never
+    partitioned). A popped candidate is then
     partitioned and pushed back under max(bound, floor); popped again, each placement still below the cutoff gets
     the relaxed floor and the candidate goes back under it; popped a third time, it is simulated. Once the
     smallest key is no better than the k-th best exact step, nothing left can rank.
@@ -460,10 +461,11 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
                 continue
             point = point[0][1]
             # where memory forces an uneven split, its floor before partitioning
-            floor = bounds.memory_floor(index, point)
-            if split_floors and floor != float("inf"):  # the partition's own floor, where its split is known
-                split = bounds.split_floor(index, point)
-                floor = split if floor is None or split is not None and split > floor else floor
+            # the partition's own floor where its split is known (never below the memory floor, which holds for
+            # every split that fits), else the memory floor
+            floor = bounds.split_floor(index, point) if split_floors else None
+            if floor is None:
+                floor = bounds.memory_floor(index, point)
             if floor is not None and floor > key:
                 if floor == float("inf"):
                     pruned["memory"] += 1
