@@ -59,19 +59,8 @@ def solve(
     """
     layers, stages, vp = _validate(profile, stages, num_microbatches, virtual_pipeline_model_parallel_size, method)
     pp = len(stages)
-    in_flight = in_flight_counts(
-        schedule=schedule,
-        pipeline_model_parallel_size=pp,
-        num_microbatches=num_microbatches,
-        virtual_pipeline_model_parallel_size=vp,
-        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-    )
-    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
-    coupled = len(ranks) > pp
-    profiles = rank_in_flight_profiles(
-        schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
-        virtual_pipeline_model_parallel_size=vp, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-    ) if coupled else None
+    in_flight, ranks, profiles = _layout(schedule, pp, num_microbatches, vp, microbatch_group_size_per_vp_stage)
+    coupled = profiles is not None
 
     def split(entries) -> tuple[int, ...]:
         if method == "equal":
@@ -112,22 +101,31 @@ def free_split(
     that split (:func:`_coupled_bounds`), which is kept by the entries' times. A search asks it of candidates it may
     prune on their partition's floor, at a fraction of a solve's cost. Raises as ``solve`` does on bad input."""
     layers, stages, vp = _validate(profile, stages, num_microbatches, virtual_pipeline_model_parallel_size, "optimal")
-    pp = len(stages)
-    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
-    if len(ranks) == pp or any(layer.kind == LayerKind.mtp for layer in layers):
+    if any(layer.kind == LayerKind.mtp for layer in layers):
         return None
+    in_flight, ranks, profiles = _layout(schedule, len(stages), num_microbatches, vp,
+                                         microbatch_group_size_per_vp_stage)
+    if profiles is None:
+        return None
+    bounds = _free_bounds(layers, stages, ranks, in_flight)  # the coupled solver's answer where it fits
+    if check_memory and not _coupled_fit(layers, stages, ranks, profiles, bounds):
+        return None
+    entries = tuple(stop - start for start, stop in zip(bounds, bounds[1:]))
+    return (entries, tuple(ranks)) if all(entries) else None
+
+
+def _layout(schedule: str, pp: int, num_microbatches: int, vp: int, microbatch_group_size_per_vp_stage: int | None):
+    """Each layout stage's peak in-flight count and pipeline rank, and where ranks hold several layout stages their
+    in-flight profiles (None otherwise): what the solver's splits read of the schedule."""
     in_flight = in_flight_counts(schedule=schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
                                  virtual_pipeline_model_parallel_size=vp,
                                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
-    bounds = _free_bounds(layers, stages, ranks, in_flight)
-    if check_memory:
-        profiles = rank_in_flight_profiles(
-            schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
-            virtual_pipeline_model_parallel_size=vp, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
-        if not _coupled_fit(layers, stages, ranks, profiles, bounds):
-            return None
-    entries = tuple(stop - start for start, stop in zip(bounds, bounds[1:]))
-    return (entries, tuple(ranks)) if all(entries) else None
+    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=pp * vp)
+    profiles = rank_in_flight_profiles(
+        schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
+        virtual_pipeline_model_parallel_size=vp, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+    ) if len(ranks) > pp else None
+    return in_flight, ranks, profiles
 
 
 def _mtp_problem(layers, bounds, pp: int) -> str | None:
@@ -265,17 +263,9 @@ def given_split(
             f"entries_per_stage={list(entries_per_stage)} must sum to the profile's {len(layers)} entries "
             f"and have a multiple of {len(stages)} stages"
         )
-    in_flight = in_flight_counts(
-        schedule=schedule,
-        pipeline_model_parallel_size=len(stages),
-        num_microbatches=num_microbatches,
-        virtual_pipeline_model_parallel_size=len(entries_per_stage) // len(stages),
-    )
     bounds = (0, *itertools.accumulate(entries_per_stage))
-    pp, vp = len(stages), len(entries_per_stage) // len(stages)
-    ranks = stage_ranks(schedule=schedule, pipeline_model_parallel_size=pp, num_stages=len(entries_per_stage))
-    profiles = rank_in_flight_profiles(schedule, pipeline_model_parallel_size=pp, num_microbatches=num_microbatches,
-                                       virtual_pipeline_model_parallel_size=vp) if len(ranks) > pp else None
+    in_flight, ranks, profiles = _layout(schedule, len(stages), num_microbatches, len(entries_per_stage) // len(stages),
+                                         None)
     return build_partition(
         layers=layers, stages=stages, bounds=bounds, in_flight=in_flight, ranks=ranks,
         num_microbatches=num_microbatches, schedule=schedule, method=method, profiles=profiles,
