@@ -12,8 +12,8 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf

@@ -9,7 +9,6 @@ which are exact when byte counts are integers below 2**53.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 
 import numpy as np
