@@ -201,7 +201,7 @@ class _Bounded:
         fixed = inputs["fixed"] if depth is None else {**inputs["fixed"], "pipeline_model_parallel_size": depth}
         bounded = self.bounded if depth is None else self._depths().get(depth, [])
         pruned = Counter(self.pruned)
-        plans, work, memory_floor = _branch_and_bound(evaluator, space, bounded, self.bounds, pruned, progress,
+        plans, work, memory_floor = _branch_and_bound(evaluator, bounded, self.bounds, pruned, progress,
                                                       split_floors=lean)
         if not plans and depth is None:
             self.planless = True
@@ -413,7 +413,7 @@ def _min_time_scale(evaluator: Evaluator) -> float:
     return min(datasheet_time_scale(group.gpu, ref) for group in evaluator.cluster.node_groups)
 
 
-def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _PointBounds, pruned: Counter, progress,
+def _branch_and_bound(evaluator: Evaluator, bounded, bounds: _PointBounds, pruned: Counter, progress,
                       split_floors: bool = False) -> tuple[list[Plan], Counter, float]:
     """Best first over lower bounds that sharpen: a candidate's cheap pipeline bound, its closed-form bound, its
     memory floor, its partition's floor, then its schedule's relaxed step (:meth:`Evaluator.relaxed_floor_ms`).
@@ -460,9 +460,8 @@ def _branch_and_bound(evaluator: Evaluator, space: Space, bounded, bounds: _Poin
                     heapq.heappush(heap, (key, member[0], (member,), _BOUNDED))
                 continue
             point = point[0][1]
-            # where memory forces an uneven split, its floor before partitioning
-            # the partition's own floor where its split is known (never below the memory floor, which holds for
-            # every split that fits), else the memory floor
+            # its floor before partitioning: the partition's own where its split is known (never below the memory
+            # floor, which holds for every split that fits), else the memory floor where memory forces an uneven split
             floor = bounds.split_floor(index, point) if split_floors else None
             if floor is None:
                 floor = bounds.memory_floor(index, point)
