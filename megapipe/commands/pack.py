@@ -30,6 +30,7 @@ from megapipe.pack import gain, pack_jobs
 from megapipe.pack.curves import sub_cluster
 from megapipe.pack.document import pack_document, plan_summary, policies, utilisation_gain
 from megapipe.pack.pack import AIMS
+from megapipe.pack.solve import uses_dp
 from megapipe.plan.interval import format_share, throughput_interval
 from megapipe.plan.space import pinned_problem
 from megapipe.records import JobSpec
@@ -119,15 +120,13 @@ class _Pictures:
     panel), the timeline once the packing and the packing for deadlines are run to the end."""
 
     def __init__(self, job: PackInputs, directory: str):
-        from megapipe.report.cluster_map import job_colours
-
         cluster, options = job.scenario.cluster, job.options
         self.directory, self.objective = directory, options.objective
         self.what_if = options.fail_group is not None or bool(options.fail_nodes) or options.arrive
         self.capacities = tuple(group.num_nodes for group in cluster.node_groups)
         self.groups = [group.gpu.name for group in cluster.node_groups]
         shown = [spec for spec in job.jobs if options.arrive or not spec.arrives_later]  # the jobs present, the arrivals
-        self.colours = job_colours(sorted({spec.name for spec in shown}))
+        self.coloured = tuple(sorted({spec.name for spec in shown}))  # the painter colours them (matplotlib's palette)
         self.jobs: tuple[JobSpec, ...] = ()
 
     def decided(self, jobs, packed) -> None:
@@ -142,7 +141,7 @@ class _Pictures:
         if timelines:
             painter.draw(timeline_chart, [(policy.name, policy.aim, policy.segments) for policy in timelines],
                          self.jobs, self.capacities, self.groups, os.path.join(self.directory, "timeline.png"),
-                         colours=self.colours)
+                         coloured=self.coloured)
 
     def finished(self, result) -> None:
         if self.what_if:
@@ -159,19 +158,28 @@ class _Pictures:
                            node_owners(self.capacities, place(result.what_if_jobs, result.what_if.options),
                                        failed=[a - b for a, b in zip(self.capacities, result.what_if_capacities)])))
         painter.draw(cluster_map, panels, self.groups, os.path.join(self.directory, "cluster.png"),
-                     colours=self.colours)
+                     coloured=self.coloured)
 
 
 def _import_solver() -> None:
-    import scipy.optimize  # noqa: F401  HiGHS, for the packings (:func:`megapipe.pack.solve.solve_milp`)
+    import scipy.optimize  # noqa: F401  HiGHS, for the packing MILPs (:func:`megapipe.pack.solve.solve_milp`)
+
+
+def _uses_milp(job: PackInputs) -> bool:
+    """Whether the packings go to the MILP (:func:`megapipe.pack.solve.solve_packing`): a what-if's repacking (the
+    fewest moves), or node groups too large for the dynamic program."""
+    options = job.options
+    what_if = options.fail_group is not None or bool(options.fail_nodes) or options.arrive
+    return what_if or not uses_dp([group.num_nodes for group in job.scenario.cluster.node_groups])
 
 
 def run(job: PackInputs, *, directory: str) -> None:
     cluster = job.scenario.cluster
     drawn = _Pictures(job, directory) if job.output.pictures else None  # the painter draws while the rest goes on
-    # a 405B job's curve against an 8B one's: one at a time; the packing MILPs' solver is imported here once a core
-    # is left idle by the curves' searches, and the policies' processes fork after it
-    with process_map(len(job.jobs), one_at_a_time=True, meanwhile=_import_solver) as mapper:
+    # a 405B job's curve against an 8B one's: one at a time; where the packings need the MILP, its solver is imported
+    # here once a core is left idle by the curves' searches, and the policies' processes fork after it
+    with process_map(len(job.jobs), one_at_a_time=True,
+                     meanwhile=_import_solver if _uses_milp(job) else None) as mapper:
         result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper,
                            workers=process_workers(len(job.jobs)), decided=drawn and drawn.decided,
                            ran=drawn and drawn.ran)

@@ -47,15 +47,15 @@ def _job_scenario(cfg: DictConfig, job: DictConfig, where: str, cache: dict):
         if "base" not in cache:
             # One copy of the config without the job list and Hydra's record (which a job does not read), each job's
             # fields set in it in turn: every field a job sets is set for each job, the precision back to the
-            # command line's where the job names none.
+            # command line's where the job names none. (OmegaConf copies the nodes it is given, here and below.)
             base = OmegaConf.masked_copy(cfg, [name for name in cfg if name not in ("jobs", "hydra")])
-            cache["base"] = (copy.deepcopy(base), base.train.get("precision"))
+            cache["base"] = (base, base.train.get("precision"))
         job_cfg, line_precision = cache["base"]
         model = ("model", str(job.model))
         if model not in cache:
             cache[model] = compose_model(str(job.model))
         with open_dict(job_cfg):
-            job_cfg.model = copy.deepcopy(cache[model])
+            job_cfg.model = cache[model]
             job_cfg.train.global_batch_size = int(job.global_batch_size)
             job_cfg.train.seq_length = job.get("seq_length")
             job_cfg.train.precision = line_precision if precision is None else str(precision)

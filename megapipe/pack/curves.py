@@ -91,13 +91,16 @@ class CurveCache:
 
     def prefetch(self, requests: Sequence[tuple[JobSpec, int, int, int | None]], mapper: Callable = map, *,
                  depths: Sequence[int] = (), workers: int = 1) -> None:
-        """Run the searches of ``requests`` ((job, group, nodes, fixed pipeline size) each) not yet run, a batch per
-        job shape through ``mapper`` (a process pool's map of ``workers`` processes runs them side by side; with
-        fewer than two shapes per process, each shape's searches go in two batches, so one heavy shape keeps two
-        processes busy; otherwise a shape's searches share its unit costs in one); each search is the one
-        :meth:`best` runs, so the curves do not depend on how they were run. With ``depths``, a request without a
-        fixed pipeline size also gives the curve points at each of them (:func:`megapipe.plan.search.search_by_depth`:
-        the same results as searching each depth alone, from one search)."""
+        """Run the searches of ``requests`` ((job, group, nodes, fixed pipeline size) each) not yet run, in batches of
+        one job shape through ``mapper`` (a process pool's map of ``workers`` processes runs them side by side), the
+        heaviest first (:func:`_weight`) so the processes end together. One batch per shape, whose searches share
+        its unit costs; with several processes, fewer than two shapes per process go as two batches each (one
+        heavy shape keeps two processes busy), and otherwise all but the ``workers`` heaviest shapes go one search
+        a batch, so the last searches fill the processes evenly (a process prices a shape's units once, however many
+        of its batches it runs: :data:`_PROCESS_COSTS`). Each search is the one :meth:`best` runs, so the curves do
+        not depend on how they were run. With ``depths``, a request without a fixed pipeline size also gives the
+        curve points at each of them (:func:`megapipe.plan.search.search_by_depth`: the same results as searching
+        each depth alone, from one search)."""
         batches: dict[tuple, dict[tuple, tuple]] = {}
         for job, group, nodes, pipeline in requests:
             shape, key = _keys(job, group, nodes, pipeline)
@@ -105,15 +108,22 @@ class CurveCache:
                 wanted = tuple(depth for depth in depths if _keys(job, group, nodes, depth)[1] not in self.found
                                ) if pipeline is None else ()
                 batches.setdefault(shape, {})[key] = (job, group, nodes, pipeline, wanted)
-        split = 1 < workers and len(batches) < 2 * workers
-        parts = [part for batch in batches.values()
-                 for part in (_halves(tuple(batch.items())) if split else (tuple(batch.items()),))]
-        # the heaviest first, so the pool ends together (:func:`_weight`)
-        ordered = sorted(parts, key=lambda part: _weight(part[0][1][0]) * len(part), reverse=True)
-        for found in mapper(_search_batch, [(self.cluster, self.options, part) for part in ordered]):
-            for results in found:
-                self.searches += 1
-                self.found.update(results)
+        shapes = sorted((tuple(batch.items()) for batch in batches.values()),
+                        key=lambda items: _weight(items[0][1][0]) * len(items), reverse=True)
+        if workers < 2:
+            parts = shapes
+        elif len(shapes) < 2 * workers:
+            parts = sorted((part for items in shapes for part in _halves(items)),
+                           key=lambda part: _weight(part[0][1][0]) * len(part), reverse=True)
+        else:
+            parts = shapes[:workers] + [(item,) for items in shapes[workers:] for item in items]
+        try:
+            for found in mapper(_search_batch, [(self.cluster, self.options, part) for part in parts]):
+                for results in found:
+                    self.searches += 1
+                    self.found.update(results)
+        finally:
+            _PROCESS_COSTS.clear()  # what the batches run here (no pool) kept
 
 
 def _weight(job: JobSpec) -> float:
@@ -138,11 +148,16 @@ def _keys(job: JobSpec, group: int, nodes: int, pipeline: int | None) -> tuple[t
     return shape, (*shape, nodes, pipeline)
 
 
+_PROCESS_COSTS: dict[tuple, SharedCosts] = {}
+"""SharedCosts by (cluster, job shape) in the process that runs :func:`_search_batch`: a shape's searches that reach
+one pool process in several batches price its units there once (the answer is the same)."""
+
+
 def _search_batch(batch) -> list[dict[tuple, SearchResult | None]]:
     """The searches of one job shape, sharing its unit costs (a module-level function: a pool pickles it): per search,
     its curve points' results."""
     cluster, options, items = batch
-    shared = SharedCosts()
+    shared = _PROCESS_COSTS.setdefault((cluster, _keys(*items[0][1][:4])[0]), SharedCosts())
     return [_searched(cluster, options, job, group, nodes, pipeline, shared, depths)
             for _, (job, group, nodes, pipeline, depths) in items]
 

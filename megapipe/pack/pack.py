@@ -2,7 +2,7 @@
 
 Policies, each scored the same way (:class:`Policy`):
 
-- **packed**: :func:`megapipe.pack.solve.solve_milp` over every job's (group, node count) curve;
+- **packed**: :func:`megapipe.pack.solve.solve_packing` over every job's (group, node count) curve;
 - **fixed depth**: the same packing with every job at one pipeline size (each of
   ``baseline_pipeline_sizes`` tried; the best shown): is tuning the depth per job worth it?
 - **one after another**: each job alone on the whole cluster at its best, the jobs in turn
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.pack.curves import CURVE_OPTIONS, CurveCache, Option, curve_requests, job_groups, job_options
-from megapipe.pack.solve import solve_milp
+from megapipe.pack.solve import solve_packing
 from megapipe.pack.timeline import Segment, run_timeline
 from megapipe.records import ClusterSpec, JobSpec
 from megapipe.options import PackOptions, SearchOptions
@@ -192,7 +192,7 @@ def _even_split(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], cl
 def _packing_decider(jobs, curves, capacities, objective):
     def decide(active):
         sub = [jobs[j] for j in active]
-        packing = solve_milp(sub, [curves[j] for j in active], capacities, objective=objective)
+        packing = solve_packing(sub, [curves[j] for j in active], capacities, objective=objective)
         return [curves[j][o] for j, o in zip(active, packing.choice)]
     return decide
 
@@ -202,7 +202,7 @@ def _for_deadlines(jobs: Sequence[JobSpec], curves, capacities, peak: float, res
     run to the end, when every job has a deadline and a token budget."""
     if not all(job.deadline_hours is not None and job.tokens > 0 for job in jobs):
         return None
-    packing = solve_milp(jobs, curves, capacities, objective="deadlines")
+    packing = solve_packing(jobs, curves, capacities, objective="deadlines")
     policy = _concurrent("packed for deadlines", f"all at once, for {AIMS['deadlines']}", jobs,
                          [c[o] for c, o in zip(curves, packing.choice)], peak, "pack.objective=deadlines")
     return _with_timeline(policy, jobs, _packing_decider(jobs, curves, capacities, "deadlines"), peak, restart_h)
@@ -213,7 +213,7 @@ def _fixed_size(size: int, jobs, curves, capacities, objective: str, peak: float
     if not all(curves):
         return f"PP{size}: {sum(1 for c in curves if not c)} job(s) have no plan"
     try:
-        packing = solve_milp(jobs, curves, capacities, objective=objective)
+        packing = solve_packing(jobs, curves, capacities, objective=objective)
     except InfeasibleError:
         return f"PP{size}: no packing fits"
     policy = _concurrent(f"fixed PP{size}", f"as packed, every job at PP {size}", jobs,
@@ -322,7 +322,7 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
     cache.prefetch(_requests([(job, None) for job in present], cluster, options), mapper, depths=sizes,
                    workers=workers)
     curves = [job_options(job, cache, node_counts=options.node_counts) for job in present]
-    packing = solve_milp(present, curves, capacities, objective=options.objective)
+    packing = solve_packing(present, curves, capacities, objective=options.objective)
     peak = peak_flops(cluster)
     packed = _concurrent("packed", f"all at once, for {AIMS[options.objective]}", present,
                          [c[o] for c, o in zip(curves, packing.choice)], peak)
@@ -370,7 +370,7 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
         after_curves = [job_options(job, cache, node_counts=options.node_counts, capacities=after)
                         for job in what_if_jobs]
         previous = [where.get(job.name) for job in what_if_jobs]
-        repack = solve_milp(what_if_jobs, after_curves, after, objective=options.objective, previous=previous,
+        repack = solve_packing(what_if_jobs, after_curves, after, objective=options.objective, previous=previous,
                             slack=options.move_slack)
         picked = [c[o] for c, o in zip(after_curves, repack.choice)]
         events = []

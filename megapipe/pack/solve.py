@@ -7,15 +7,17 @@ Every job runs at once on nodes of its own (a static split of the cluster). Obje
   the makespan-optimal packings, the most weighted FLOP/s;
 - ``deadlines``: the most weight of jobs that meet their deadline; among those packings, the most FLOP/s.
 
-:func:`solve_milp` is a multiple-choice knapsack as a MILP (HiGHS through ``scipy.optimize.milp``), any
-number of node groups, solved stage by stage (the objective, then its tie-break, then, for a what-if, the
-fewest moves among the packings within ``slack`` of the optimum). :func:`solve_dp` is the same optimum for
-one node group and the throughput objective by dynamic programming over node counts; :func:`solve_brute`
+:func:`solve_packing` is what ``megapipe pack`` runs: :func:`solve_dp`, a dynamic program over the node groups' used
+nodes (a multiple-choice knapsack, exact, every objective staged as below), where that table is small
+(:data:`DP_STATES`), else :func:`solve_milp`, the same knapsack as a MILP (HiGHS through ``scipy.optimize.milp``,
+any number of node groups), solved stage by stage (the objective, then its tie-break, then, for a what-if, the
+fewest moves among the packings within ``slack`` of the optimum, which only the MILP takes). :func:`solve_brute`
 enumerates every packing (small cases, for the tests).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -27,7 +29,8 @@ from megapipe.errors import InfeasibleError
 from megapipe.pack.curves import Option
 from megapipe.records import JobSpec
 
-__all__ = ["Packing", "score", "solve_milp", "solve_dp", "solve_brute", "feasible_or_raise"]
+__all__ = ["Packing", "score", "solve_packing", "uses_dp", "solve_milp", "solve_dp", "solve_brute",
+           "feasible_or_raise", "DP_STATES"]
 
 _TOL = 1e-9
 
@@ -219,32 +222,159 @@ def solve_milp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], cap
                    moves=moves)
 
 
-def solve_dp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacity: int) -> Packing:
-    """One node group, the throughput objective: ``best[c]`` = the most weighted FLOP/s of the jobs so far on
-    ``c`` nodes, job by job over its options (a multiple-choice knapsack; exact in integers)."""
-    feasible_or_raise(jobs, options, (capacity,))
-    neg = -math.inf
-    best = [0.0] * (capacity + 1)  # no job yet: any capacity, value 0
-    picks: list[list[int]] = []
-    for job, opts in zip(jobs, options):
-        new = [neg] * (capacity + 1)
-        pick = [-1] * (capacity + 1)
-        for c in range(capacity + 1):
-            for o, option in enumerate(opts):
-                if option.nodes <= c and best[c - option.nodes] > neg:
-                    value = best[c - option.nodes] + job.weight * option.flops_per_s
-                    if value > new[c]:
-                        new[c], pick[c] = value, o
-        best = new
+DP_STATES = 1 << 16
+"""The most node-count states (each node group's capacity + 1, multiplied) :func:`solve_packing` gives the dynamic
+program; a larger table (several large node groups) goes to the MILP."""
+
+_MET_UNITS_LIMIT = 1 << 62
+"""The deadlines objective counts met weight in exact integer units (each weight's decimal over their common
+denominator, int64 in the table); weights whose units would sum past this go to the MILP."""
+
+
+def solve_packing(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacities: Sequence[int], *,
+                  objective: str = "throughput", previous: Sequence[tuple[int, int] | None] | None = None,
+                  slack: float = 0.0) -> Packing:
+    """The optimal packing (:func:`solve_dp` where its table is small and without a what-if's ``previous``, else
+    :func:`solve_milp`, which also takes the fewest moves): what ``megapipe pack`` runs."""
+    if previous is None and uses_dp(capacities) and (objective != "deadlines" or _met_units(jobs) is not None):
+        return solve_dp(jobs, options, capacities, objective=objective)
+    return solve_milp(jobs, options, capacities, objective=objective, previous=previous, slack=slack)
+
+
+def uses_dp(capacities: Sequence[int]) -> bool:
+    """Whether :func:`solve_packing` solves a packing on these node groups by the dynamic program (no what-if): the
+    MILP's solver need not be loaded."""
+    return math.prod(int(capacity) + 1 for capacity in capacities) <= DP_STATES
+
+
+def solve_dp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacities: Sequence[int], *,
+             objective: str = "throughput") -> Packing:
+    """The optimal packing by dynamic programming over the node groups' used nodes (a multiple-choice knapsack,
+    job by job over its options; a table of ``prod(capacity + 1)`` states), every objective as :func:`solve_milp`
+    stages it:
+
+    - ``throughput``: the most weighted FLOP/s;
+    - ``makespan``: the least makespan (the smallest job-hours threshold every job can keep, by bisection over the
+      options' hours), then the most weighted FLOP/s with every job within it;
+    - ``deadlines``: the most deadline weight met, counted exactly in units of the weights' decimals, then the most weighted FLOP/s.
+
+    Among equal packings the first option of each job (in its order) that reaches the optimum is kept."""
+    feasible_or_raise(jobs, options, capacities)
+    capacities = tuple(int(capacity) for capacity in capacities)
+    allowed = [range(len(opts)) for opts in options]
+    met = None
+    if objective == "makespan":
+        hours = [[option.hours(job.tokens) if job.tokens > 0 else 0.0 for option in opts]
+                 for job, opts in zip(jobs, options)]
+        limit = _least_makespan(hours, options, capacities)
+        within = limit + _TOL * max(1.0, abs(limit))
+        allowed = [[o for o, value in enumerate(row) if value <= within] for row in hours]
+    elif objective == "deadlines":
+        units = _met_units(jobs)
+        if units is None:
+            raise ValueError("the deadline weights' decimals are too fine for the table's units; use solve_milp")
+        met = [[unit if job.deadline_hours is not None and option.hours(job.tokens) <= job.deadline_hours else 0
+                for option in opts] for job, unit, opts in zip(jobs, units, options)]
+    choice = _best_table(jobs, options, capacities, allowed, met)
+    if choice is None:
+        raise InfeasibleError("no packing fits every job on the cluster's nodes; drop or defer a job "
+                              "(arrives_later) or add nodes")
+    return Packing(choice=tuple(choice), objective=objective, value=score(jobs, options, choice, objective))
+
+
+def _met_units(jobs: Sequence[JobSpec]) -> list[int] | None:
+    """Each job's weight in integer units of the decimals the job list gives (``repr``, the shortest decimal that reads
+    back as the float: 0.1 + 0.2 then weighs what 0.3 does, as the MILP's tolerance has it); None when they could
+    overflow the table's int64."""
+    from fractions import Fraction
+
+    weights = [Fraction(repr(float(job.weight))) for job in jobs]
+    denominator = math.lcm(*(weight.denominator for weight in weights)) if weights else 1
+    units = [int(weight * denominator) for weight in weights]
+    common = math.gcd(*units) or 1
+    units = [unit // common for unit in units]
+    return units if sum(abs(unit) for unit in units) < _MET_UNITS_LIMIT else None
+
+
+def _window(shape: tuple[int, ...], group: int, nodes: int) -> tuple[tuple, tuple]:
+    """(target, source) slices: the states using ``nodes`` more of ``group``'s nodes than the source's."""
+    target, source = [slice(None)] * len(shape), [slice(None)] * len(shape)
+    target[group], source[group] = slice(nodes, None), slice(0, shape[group] - nodes)
+    return tuple(target), tuple(source)
+
+
+def _fits_all(options, capacities: tuple[int, ...], allowed) -> bool:
+    """Whether every job can take one of its ``allowed`` options within the capacities."""
+    shape = tuple(capacity + 1 for capacity in capacities)
+    reach = np.ones(shape, dtype=bool)  # no job yet: any budget of nodes will do
+    for opts, keep in zip(options, allowed):
+        new = np.zeros(shape, dtype=bool)
+        for o in keep:
+            option = opts[o]
+            if option.nodes > capacities[option.group]:
+                continue
+            target, source = _window(shape, option.group, option.nodes)
+            new[target] |= reach[source]
+        reach = new
+    return bool(reach[capacities])
+
+
+def _least_makespan(hours, options, capacities: tuple[int, ...]) -> float:
+    """The least of the options' hours that every job can keep at once: the optimal makespan."""
+    levels = sorted({value for row in hours for value in row})
+    low = bisect.bisect_left(levels, max(min(row) for row in hours))  # no job finishes before its fastest option
+    high = len(levels) - 1
+    if not _fits_all(options, capacities, [range(len(row)) for row in hours]):
+        raise InfeasibleError("no packing fits every job on the cluster's nodes; drop or defer a job "
+                              "(arrives_later) or add nodes")
+    while low < high:
+        middle = (low + high) // 2
+        if _fits_all(options, capacities, [[o for o, value in enumerate(row) if value <= levels[middle]]
+                                           for row in hours]):
+            high = middle
+        else:
+            low = middle + 1
+    return levels[low]
+
+
+def _best_table(jobs, options, capacities: tuple[int, ...], allowed, met) -> list[int] | None:
+    """The choice of the most weighted FLOP/s (with ``met``, of the most met units first) among ``allowed`` options
+    within the capacities; None when none fits."""
+    shape = tuple(capacity + 1 for capacity in capacities)
+    flops = np.zeros(shape)  # the best value using at most each state's nodes; -inf where nothing fits
+    units = np.zeros(shape, dtype=np.int64) if met is not None else None
+    picks = []
+    for j, (job, opts, keep) in enumerate(zip(jobs, options, allowed)):
+        new = np.full(shape, -np.inf)
+        new_units = np.zeros(shape, dtype=np.int64) if met is not None else None
+        pick = np.full(shape, -1, dtype=np.int32)
+        for o in keep:
+            option = opts[o]
+            if option.nodes > capacities[option.group]:
+                continue
+            target, source = _window(shape, option.group, option.nodes)
+            value = flops[source] + job.weight * option.flops_per_s
+            held = new[target]
+            if met is None:
+                better = value > held
+            else:
+                count = units[source] + met[j][o]
+                held_units = new_units[target]
+                better = np.isfinite(value) & (~np.isfinite(held) | (count > held_units)
+                                               | ((count == held_units) & (value > held)))
+                held_units[better] = count[better]
+            held[better] = value[better]
+            pick[target][better] = o
+        flops, units = new, new_units
         picks.append(pick)
-    if best[capacity] == neg:
-        raise InfeasibleError("no packing fits every job on the cluster's nodes")
-    choice, c = [0] * len(jobs), capacity
+    if not np.isfinite(flops[capacities]):
+        return None
+    choice, state = [0] * len(jobs), list(capacities)
     for j in range(len(jobs) - 1, -1, -1):
-        o = picks[j][c]
+        o = int(picks[j][tuple(state)])
         choice[j] = o
-        c -= options[j][o].nodes
-    return Packing(choice=tuple(choice), objective="throughput", value=score(jobs, options, choice, "throughput"))
+        state[options[j][o].group] -= options[j][o].nodes
+    return choice
 
 
 def solve_brute(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capacities: Sequence[int], *,

@@ -49,19 +49,19 @@ def job_colours(names: Sequence[str]) -> dict[str, tuple]:
 
 
 def cluster_map(panels: Sequence[tuple[str, list[list[str | None]]]], group_names: Sequence[str], path: str, *,
-                colours: dict | None = None) -> str:
-    """``panels``: (title, node_owners(...)) each; ``colours``: per job name (:func:`job_colours`, so other pictures
-    of the same jobs agree), else from the names shown; writes a PNG."""
+                coloured: Sequence[str] | None = None) -> str:
+    """``panels``: (title, node_owners(...)) each; ``coloured``: the job names the colours go over
+    (:func:`job_colours`, so other pictures of the same jobs agree), else the names shown; writes a PNG."""
     with pinned_style():
-        figure = _figure(panels, group_names, colours)
+        figure = _figure(panels, group_names, coloured)
     return save_png(figure, path)
 
 
-def _figure(panels, group_names: Sequence[str], colours: dict | None):
+def _figure(panels, group_names: Sequence[str], coloured: Sequence[str] | None):
     from matplotlib.patches import Rectangle
 
     names = sorted({name for _, owners in panels for row in owners for name in row if name not in (None, FAILED)})
-    colour = {**(colours or job_colours(names)), FAILED: "#222222"}
+    colour = {**job_colours(names if coloured is None else coloured), FAILED: "#222222"}
     labels = names + ([FAILED] if any(FAILED in row for _, owners in panels for row in owners) else [])
     widest = max(len(row) for _, owners in panels for row in owners)
     columns = max(1, min(widest, _COLUMNS))

@@ -62,11 +62,13 @@ def _contiguous(nodes: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def timeline_chart(panels: Sequence[tuple[str, str, Sequence]], jobs: Sequence[JobSpec], capacities: Sequence[int],
-                   group_names: Sequence[str], path: str, *, colours: dict | None = None) -> str:
-    """``panels``: (policy name, what it optimises, its segments) each; ``colours``: per job name
-    (:func:`megapipe.report.cluster_map.job_colours`); writes a PNG."""
+                   group_names: Sequence[str], path: str, *, coloured: Sequence[str] | None = None) -> str:
+    """``panels``: (policy name, what it optimises, its segments) each; ``coloured``: the job names the colours go
+    over (:func:`megapipe.report.cluster_map.job_colours`, so other pictures of the same jobs agree), else the
+    jobs'; writes a PNG."""
     with pinned_style():
-        figure = _figure(panels, jobs, capacities, group_names, colours or job_colours([job.name for job in jobs]))
+        figure = _figure(panels, jobs, capacities, group_names,
+                         job_colours([job.name for job in jobs] if coloured is None else coloured))
     return save_png(figure, path)
 
 
