@@ -333,6 +333,27 @@ def test_process_map_runs_meanwhile_once_a_process_is_idle_and_later_maps_see_it
         _MARK["set"] = False
 
 
+def _collecting(value: int) -> tuple[int, bool]:
+    import gc
+
+    return value, gc.isenabled()
+
+
+def test_process_map_runs_its_processes_without_the_collector_when_asked():
+    """``collect=False``: the pool's processes run with the cycle collector off (pack's searches); by default they keep
+    it, and the calling process's is left as it was either way."""
+    import gc
+
+    from megapipe.commands.common import process_map, process_workers
+
+    pooled = process_workers(4) > 1
+    for collect in (True, False):
+        with process_map(4, one_at_a_time=True, collect=collect) as mapper:
+            seen = list(mapper(_collecting, range(4)))
+        assert seen == [(value, collect or not pooled) for value in range(4)]
+        assert gc.isenabled()
+
+
 def test_an_in_process_main_leaves_the_collector_unfrozen(tmp_path, capsys):
     """Only the console script's process, which ends after the command, freezes the collector's objects at the end;
     a caller of ``main(argv)`` (a test, a notebook) goes on with a collector that sees every object."""

@@ -663,3 +663,28 @@ def test_memory_reach_without_a_limit_reaches_the_end(static, act, in_flight):
     above = memory_reach(static_prefix=static_prefix, act_prefix=act_prefix, in_flight=in_flight,
                          caps=[float(static_prefix[-1] + max(in_flight) * act_prefix[-1] + 1)] * len(in_flight))
     assert free.dtype == above.dtype and (free == above).all() and (free == size).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([(2, 2, 4), (4, 2, 8), (4, 4, 12), (8, 2, 16)]), st.data())
+def test_ranks_fit_agrees_with_the_ranks_peaks(sizes, data):
+    """The early-stopping fit test answers what comparing every rank's peak (:func:`rank_peaks`) with its cap does,
+    caps placed exactly at a rank's peak included (the float the solver's fit turns on)."""
+    from megapipe.partition.coupled import rank_peaks, ranks_fit
+    from megapipe.partition.memory import stage_ranks
+    from megapipe.schedules import rank_in_flight_profiles
+
+    pp, vp, microbatches = sizes
+    profiles = rank_in_flight_profiles("interleaved_1f1b", pipeline_model_parallel_size=pp, num_microbatches=microbatches,
+                                       virtual_pipeline_model_parallel_size=vp)
+    ranks = stage_ranks(schedule="interleaved_1f1b", pipeline_model_parallel_size=pp, num_stages=pp * vp)
+    amounts = st.floats(0.0, 1e10, allow_nan=False)
+    static = data.draw(st.lists(amounts, min_size=pp * vp, max_size=pp * vp))
+    act = data.draw(st.lists(amounts, min_size=pp * vp, max_size=pp * vp))
+    peaks = rank_peaks(static=static, act=act, ranks=ranks, profiles=profiles)
+    where = data.draw(st.lists(st.sampled_from(["below", "at", "above"]), min_size=pp, max_size=pp))
+    caps = [math.nextafter(peak, -math.inf) if at == "below" else peak if at == "at" else peak + 1e9
+            for peak, at in zip(peaks, where)]
+    assert ranks_fit(static=static, act=act, ranks=ranks, profiles=profiles, caps=caps) == ("below" not in where)
+    assert ranks_fit(static=static, act=act, ranks=ranks, profiles=profiles, caps=caps) == all(
+        peak <= cap for peak, cap in zip(peaks, caps))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -194,7 +195,8 @@ def process_workers(count: int) -> int:
 
 
 @contextlib.contextmanager
-def process_map(count: int, *, one_at_a_time: bool = False, meanwhile: Callable[[], object] | None = None):
+def process_map(count: int, *, one_at_a_time: bool = False, meanwhile: Callable[[], object] | None = None,
+                collect: bool = True):
     """A ``map`` for ``count`` independent tasks over the machine's cores: a fork process pool, in order, or the
     built-in map when one process is all there is (one core, or one task). Work handed to it must not depend on
     how many processes run it. Tasks go out in chunks (a quarter of each process's share), or ``one_at_a_time``
@@ -202,7 +204,11 @@ def process_map(count: int, *, one_at_a_time: bool = False, meanwhile: Callable[
 
     ``meanwhile``: what this process does, once, during the first map, as soon as one of the pool's processes has
     no task left (imports later work needs, on a core the map leaves idle); each map then forks a fresh pool, so its
-    processes have what this process imported since. Without a pool it runs before the first map's tasks."""
+    processes have what this process imported since. Without a pool it runs before the first map's tasks.
+
+    ``collect=False``: the pool's processes run without Python's cycle collector, for work that drops no reference
+    cycles and keeps many small records (pack's searches and the unit costs they share, which the collector would
+    otherwise walk again each time they grow); the processes end with the command."""
     workers = process_workers(count)
     pending = [meanwhile] if meanwhile is not None else []
     if workers == 1:
@@ -227,7 +233,7 @@ def process_map(count: int, *, one_at_a_time: bool = False, meanwhile: Callable[
         if not pools or meanwhile is not None:
             if pools:
                 pools[-1].close()  # its tasks still run to the end; joined on the way out
-            pools.append(context.Pool(workers))
+            pools.append(context.Pool(workers, initializer=None if collect else gc.disable))
         if not pending:
             return pools[-1].imap(function, items, chunksize=chunk)
         done = pools[-1].imap_unordered(_indexed_call, [(function, index, item) for index, item in enumerate(items)],

@@ -178,8 +178,8 @@ def run(job: PackInputs, *, directory: str) -> None:
     drawn = _Pictures(job, directory) if job.output.pictures else None  # the painter draws while the rest goes on
     # a 405B job's curve against an 8B one's: one at a time; where the packings need the MILP, its solver is imported
     # here once a core is left idle by the curves' searches, and the policies' processes fork after it
-    with process_map(len(job.jobs), one_at_a_time=True,
-                     meanwhile=_import_solver if _uses_milp(job) else None) as mapper:
+    with process_map(len(job.jobs), one_at_a_time=True, meanwhile=_import_solver if _uses_milp(job) else None,
+                     collect=False) as mapper:
         result = pack_jobs(job.jobs, cluster, job.options, search=job.search, mapper=mapper,
                            workers=process_workers(len(job.jobs)), decided=drawn and drawn.decided,
                            ran=drawn and drawn.ran)

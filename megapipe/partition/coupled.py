@@ -32,7 +32,7 @@ import numpy as np
 from megapipe.partition.counts import Pins, count_search, first_ok, rank_stages, stage_counts, boundaries
 from megapipe.records import LayerCost, LayerKind, StageSpec
 
-__all__ = ["UniformShape", "uniform_shape", "rank_stages", "rank_peaks", "profile_rows", "uniform_split",
+__all__ = ["UniformShape", "uniform_shape", "rank_stages", "rank_peaks", "ranks_fit", "profile_rows", "uniform_split",
            "uniform_fits", "uniform_may_fit", "uniform_rank_totals", "bottleneck_of", "Stack", "stacked_rows",
            "most_held"]
 
@@ -78,6 +78,18 @@ def rank_peaks(*, static: Sequence[float], act: Sequence[float], ranks: Sequence
                    default=0.0)
         peaks.append(math.fsum(static[s] for s in stages) + held)
     return tuple(peaks)
+
+
+def ranks_fit(*, static: Sequence[float], act: Sequence[float], ranks: Sequence[int],
+              profiles: Sequence[Sequence[Sequence[int]]], caps: Sequence[float]) -> bool:
+    """Whether every rank's peak (:func:`rank_peaks`, the same sums) is within its cap; it stops at the first moment
+    of the first rank over it."""
+    for rank, stages in enumerate(rank_stages(ranks, len(profiles))):
+        fixed, cap = math.fsum(static[s] for s in stages), caps[rank]
+        for vector in profile_rows(profiles[rank]):  # fixed + the largest sum is the largest of fixed + each sum
+            if fixed + math.fsum(n * act[s] for n, s in zip(vector, stages)) > cap:
+                return False
+    return True
 
 
 def profile_rows(profile) -> list:

@@ -22,7 +22,7 @@ import numpy as np
 from megapipe.errors import ConfigError, InfeasibleError
 from megapipe.partition.baselines import equal_bounds, parameters_bounds
 from megapipe.partition.build import build_partition, over_memory_message
-from megapipe.partition.coupled import bottleneck_of, rank_peaks, uniform_shape, uniform_split
+from megapipe.partition.coupled import bottleneck_of, rank_peaks, ranks_fit, uniform_shape, uniform_split
 from megapipe.partition.milp import Unsolved, milp_split
 from megapipe.partition.memory import chunk_memory_caps, in_flight_counts, memory_reach, stage_ranks
 from megapipe.partition.headroom import least_utilisation_split
@@ -232,8 +232,8 @@ def _free_bounds(layers, stages, ranks, in_flight) -> tuple[int, ...]:
 def _coupled_fit(layers, stages, ranks, profiles, bounds) -> bool:
     static = [math.fsum(layer.static_bytes for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
     act = [math.fsum(layer.act_bytes for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
-    peaks = rank_peaks(static=static, act=act, ranks=ranks, profiles=profiles)
-    return all(peak <= stage.memory_bytes for peak, stage in zip(peaks, stages))
+    return ranks_fit(static=static, act=act, ranks=ranks, profiles=profiles,
+                     caps=[stage.memory_bytes for stage in stages])
 
 
 def _coupled_infeasible_message(layers, stages, ranks, profiles, bounds) -> str:
