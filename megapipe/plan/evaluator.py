@@ -245,11 +245,15 @@ class Evaluator:
         start = 0
         for stage, count in enumerate(entries_per_stage):
             rank = stage_to_rank[stage]
-            chunk = layers[start:start + count]
+            held = counted = expert = 0  # the chunk's sums, one pass in entry order (what sum() of each field gives)
+            for layer in layers[start:start + count]:
+                held += layer.static_bytes
+                counted += layer.param_count
+                expert += layer.expert_param_count
             start += count
-            static[rank] += sum(layer.static_bytes for layer in chunk)
-            params[rank] += sum(layer.param_count for layer in chunk)
-            experts[rank] += sum(layer.expert_param_count for layer in chunk)
+            static[rank] += held
+            params[rank] += counted
+            experts[rank] += expert
             fwd[rank] += times.fwd_ms[stage]
             bwd[rank] += times.bwd_ms[stage]
         # ranks of equal loads (most of them, with identical decoders) have equal terms: each is priced once
