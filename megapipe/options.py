@@ -116,6 +116,11 @@ class PackOptions:
     """When a job finishes, the others are repacked onto the nodes; a job that changes nodes idles this long
     (checkpoint, restart, reload)."""
 
+    @property
+    def what_if(self) -> bool:
+        """Whether a what-if is asked (a node group or nodes fail, or the arriving jobs join)."""
+        return self.fail_group is not None or bool(self.fail_nodes) or self.arrive
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeasureOptions:

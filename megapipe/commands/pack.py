@@ -122,11 +122,11 @@ class _Pictures:
     def __init__(self, job: PackInputs, directory: str):
         cluster, options = job.scenario.cluster, job.options
         self.directory, self.objective = directory, options.objective
-        self.what_if = options.fail_group is not None or bool(options.fail_nodes) or options.arrive
+        self.what_if = options.what_if
         self.capacities = tuple(group.num_nodes for group in cluster.node_groups)
         self.groups = [group.gpu.name for group in cluster.node_groups]
         shown = [spec for spec in job.jobs if options.arrive or not spec.arrives_later]  # the jobs present, the arrivals
-        self.coloured = tuple(sorted({spec.name for spec in shown}))  # the painter colours them (matplotlib's palette)
+        self.coloured = tuple(sorted({spec.name for spec in shown}))  # the painter picks their colours
         self.jobs: tuple[JobSpec, ...] = ()
 
     def decided(self, jobs, packed) -> None:
@@ -168,9 +168,7 @@ def _import_solver() -> None:
 def _uses_milp(job: PackInputs) -> bool:
     """Whether the packings go to the MILP (:func:`megapipe.pack.solve.solve_packing`): a what-if's repacking (the
     fewest moves), or node groups too large for the dynamic program."""
-    options = job.options
-    what_if = options.fail_group is not None or bool(options.fail_nodes) or options.arrive
-    return what_if or not uses_dp([group.num_nodes for group in job.scenario.cluster.node_groups])
+    return job.options.what_if or not uses_dp([group.num_nodes for group in job.scenario.cluster.node_groups])
 
 
 def run(job: PackInputs, *, directory: str) -> None:

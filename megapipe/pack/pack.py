@@ -363,7 +363,7 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
     what_if_jobs: tuple[JobSpec, ...] = ()
     after: tuple[int, ...] = ()
     moves, moved = 0, ()
-    if options.fail_group is not None or options.fail_nodes or options.arrive:
+    if options.what_if:
         after = _capacities_after_failure(cluster, options)
         what_if_jobs = tuple(jobs) if options.arrive else present
         where = {job.name: (option.group, option.nodes) for job, option in zip(present, packed.options)}

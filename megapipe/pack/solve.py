@@ -33,6 +33,7 @@ __all__ = ["Packing", "score", "solve_packing", "uses_dp", "solve_milp", "solve_
            "feasible_or_raise", "DP_STATES"]
 
 _TOL = 1e-9
+_NO_PACKING = "no packing fits every job on the cluster's nodes; drop or defer a job (arrives_later) or add nodes"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,8 +110,7 @@ class _PackProgram:
         x = _milp(cost, list(self.rows) + [r for r, _, _ in extra], list(self.lower) + [lo for _, lo, _ in extra],
                   list(self.upper) + [hi for _, _, hi in extra], self.integrality, self.high)
         if x is None:
-            raise InfeasibleError("no packing fits every job on the cluster's nodes; drop or defer a job "
-                                  "(arrives_later) or add nodes")
+            raise InfeasibleError(_NO_PACKING)
         return x
 
     def primary(self, objective: str) -> np.ndarray:
@@ -256,7 +256,8 @@ def solve_dp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capac
     - ``throughput``: the most weighted FLOP/s;
     - ``makespan``: the least makespan (the smallest job-hours threshold every job can keep, by bisection over the
       options' hours), then the most weighted FLOP/s with every job within it;
-    - ``deadlines``: the most deadline weight met, counted exactly in units of the weights' decimals, then the most weighted FLOP/s.
+    - ``deadlines``: the most deadline weight met, counted exactly in units of the weights' decimals, then the most
+      weighted FLOP/s.
 
     Among equal packings the first option of each job (in its order) that reaches the optimum is kept."""
     feasible_or_raise(jobs, options, capacities)
@@ -277,8 +278,7 @@ def solve_dp(jobs: Sequence[JobSpec], options: Sequence[Sequence[Option]], capac
                 for option in opts] for job, unit, opts in zip(jobs, units, options)]
     choice = _best_table(jobs, options, capacities, allowed, met)
     if choice is None:
-        raise InfeasibleError("no packing fits every job on the cluster's nodes; drop or defer a job "
-                              "(arrives_later) or add nodes")
+        raise InfeasibleError(_NO_PACKING)
     return Packing(choice=tuple(choice), objective=objective, value=score(jobs, options, choice, objective))
 
 
@@ -325,8 +325,7 @@ def _least_makespan(hours, options, capacities: tuple[int, ...]) -> float:
     low = bisect.bisect_left(levels, max(min(row) for row in hours))  # no job finishes before its fastest option
     high = len(levels) - 1
     if not _fits_all(options, capacities, [range(len(row)) for row in hours]):
-        raise InfeasibleError("no packing fits every job on the cluster's nodes; drop or defer a job "
-                              "(arrives_later) or add nodes")
+        raise InfeasibleError(_NO_PACKING)
     while low < high:
         middle = (low + high) // 2
         if _fits_all(options, capacities, [[o for o, value in enumerate(row) if value <= levels[middle]]
