@@ -176,9 +176,8 @@ class _Bounded:
         """The VP sizes the points of ``depth`` (None: every point) try, sorted (one pass for every depth asked)."""
         if self._vp_by_depth is None:
             found: dict[int, set[int]] = {}
-            for point in self.space.points:
-                found.setdefault(point.pipeline_model_parallel_size, set()).add(
-                    point.virtual_pipeline_model_parallel_size)
+            for pp, vp in set(map(_PP_VP, self.space.points)):  # the distinct pairs, gathered at C speed
+                found.setdefault(pp, set()).add(vp)
             self._vp_by_depth = {pp: tuple(sorted(sizes)) for pp, sizes in found.items()}
             self._vp_by_depth[None] = tuple(sorted(set().union(*found.values())))
         return self._vp_by_depth.get(depth, ())
@@ -397,6 +396,9 @@ def _bound_all(evaluator: Evaluator, space: Space, pruned: Counter
     out.sort()  # by bound, then first index (indices differ, so members are never compared)
     return out, bounds
 
+
+_PP_VP = operator.itemgetter(2, 4)
+"""A point's PP and VP (:class:`megapipe.plan.space.Point`)."""
 
 _family = operator.itemgetter(0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12)
 """A point's fields but its VP and features (:class:`megapipe.plan.space.Point`)."""
