@@ -108,17 +108,18 @@ class CurveCache:
                 wanted = tuple(depth for depth in depths if _keys(job, group, nodes, depth)[1] not in self.found
                                ) if pipeline is None else ()
                 batches.setdefault(shape, {})[key] = (job, group, nodes, pipeline, wanted)
-        shapes = sorted((tuple(batch.items()) for batch in batches.values()),
-                        key=lambda items: _weight(items[0][1][0]) * len(items), reverse=True)
+        def heaviest_first(parts):  # (shape, its searches) each
+            return sorted(parts, key=lambda part: _weight(part[1][0][1][0]) * len(part[1]), reverse=True)
+
+        shapes = heaviest_first((shape, tuple(batch.items())) for shape, batch in batches.items())
         if workers < 2:
             parts = shapes
         elif len(shapes) < 2 * workers:
-            parts = sorted((part for items in shapes for part in _halves(items)),
-                           key=lambda part: _weight(part[0][1][0]) * len(part), reverse=True)
+            parts = heaviest_first((shape, half) for shape, items in shapes for half in _halves(items))
         else:
-            parts = shapes[:workers] + [(item,) for items in shapes[workers:] for item in items]
+            parts = shapes[:workers] + [(shape, (item,)) for shape, items in shapes[workers:] for item in items]
         try:
-            for found in mapper(_search_batch, [(self.cluster, self.options, part) for part in parts]):
+            for found in mapper(_search_batch, [(self.cluster, self.options, shape, items) for shape, items in parts]):
                 for results in found:
                     self.searches += 1
                     self.found.update(results)
@@ -156,8 +157,8 @@ one pool process in several batches price its units there once (the answer is th
 def _search_batch(batch) -> list[dict[tuple, SearchResult | None]]:
     """The searches of one job shape, sharing its unit costs (a module-level function: a pool pickles it): per search,
     its curve points' results."""
-    cluster, options, items = batch
-    shared = _PROCESS_COSTS.setdefault((cluster, _keys(*items[0][1][:4])[0]), SharedCosts())
+    cluster, options, shape, items = batch
+    shared = _PROCESS_COSTS.setdefault((cluster, shape), SharedCosts())
     return [_searched(cluster, options, job, group, nodes, pipeline, shared, depths)
             for _, (job, group, nodes, pipeline, depths) in items]
 

@@ -371,7 +371,7 @@ def pack_jobs(jobs: Sequence[JobSpec], cluster: ClusterSpec, options: PackOption
                         for job in what_if_jobs]
         previous = [where.get(job.name) for job in what_if_jobs]
         repack = solve_packing(what_if_jobs, after_curves, after, objective=options.objective, previous=previous,
-                            slack=options.move_slack)
+                               slack=options.move_slack)
         picked = [c[o] for c, o in zip(after_curves, repack.choice)]
         events = []
         if options.fail_group:
