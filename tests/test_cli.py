@@ -305,7 +305,7 @@ def _set_mark() -> None:
 
 def _seen_mark(value: int) -> tuple[int, bool]:
     if value == 0:
-        time.sleep(0.3)  # the first task outlasts the rest: the other process runs out of tasks meanwhile
+        time.sleep(0.6)  # the first task outlasts the rest: the other process runs out of tasks meanwhile
     return value * value, _MARK["set"]
 
 
